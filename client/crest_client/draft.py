@@ -1,0 +1,76 @@
+"""The draft token tree handed from a drafter to the verifier.
+
+A `Draft` is a tree of candidate next tokens rooted at the last context token. Nodes are stored in an
+order where every node's parent comes before it and weights never increase, so a prefix slice of the
+node arrays is itself a valid (and, for stored trees, the best) subtree of that size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Draft:
+    """A token tree: `tokens[i]` hangs under `parents[i]` (-1 = the root, the last context token)."""
+
+    tokens: np.ndarray  # [T] int64 token ids
+    parents: np.ndarray  # [T] int32, parents[i] < i, -1 = child of the root
+    weights: np.ndarray  # [T] int64, continuations through the node, non-increasing
+    n: int = 0  # length of the matched context suffix
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def truncate(self, max_nodes: int) -> Draft:
+        """Return the subtree made of the first `max_nodes` nodes (a prefix slice)."""
+        if max_nodes >= len(self):
+            return self
+        k = max(0, int(max_nodes))
+        return Draft(self.tokens[:k], self.parents[:k], self.weights[:k], self.n)
+
+    def depths(self) -> np.ndarray:
+        """Return each node's depth: 1 for children of the root."""
+        depth = np.zeros(len(self), dtype=np.int64)  # [T]
+        parents = self.parents.tolist()
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+    def ancestor_mask(self) -> np.ndarray:
+        """Return the tree attention mask: `mask[i, j]` is True when node j is node i or its ancestor."""
+        size = len(self)
+        mask = np.zeros((size, size), dtype=bool)  # [T, T]
+        parents = self.parents.tolist()
+        for i, p in enumerate(parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def paths(self) -> list[list[int]]:
+        """Return the token path from the root to each node."""
+        out: list[list[int]] = []
+        tokens = self.tokens.tolist()
+        for i, p in enumerate(self.parents.tolist()):
+            out.append((out[p] if p >= 0 else []) + [tokens[i]])
+        return out
+
+    def validate(self) -> None:
+        """Raise ValueError unless the arrays form a well-ordered tree."""
+        size = len(self)
+        if self.parents.shape != (size,) or self.weights.shape != (size,):
+            raise ValueError("draft arrays differ in length")
+        if size and np.any(self.parents >= np.arange(size)):
+            raise ValueError("a draft node comes before its parent")
+        if size and np.any(self.parents < -1):
+            raise ValueError("a draft node has a negative parent other than -1")
+
+
+def empty_draft(n: int = 0) -> Draft:
+    """Return a draft with no nodes."""
+    return Draft(
+        np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), n
+    )
