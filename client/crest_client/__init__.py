@@ -13,6 +13,7 @@ from crest_client.errors import (
     InvalidName,
     StoreNotFound,
 )
+from crest_client.store import Store, StoreInfo
 
 __all__ = [
     "CodecError",
@@ -21,6 +22,8 @@ __all__ = [
     "Draft",
     "FingerprintMismatch",
     "InvalidName",
+    "Store",
+    "StoreInfo",
     "StoreNotFound",
     "empty_draft",
 ]

@@ -1,0 +1,306 @@
+"""`Store`: the SDK's handle on one published crest store.
+
+`draft(context_ids)` builds the keys of every suffix of the context up to the store's max n and asks
+PostgreSQL for the longest one that is stored, in one prepared statement on the hash index; the tree
+blob is decoded into a `Draft`. Results are kept in a bounded LRU cache keyed by the last max-n tokens.
+Connections come from a psycopg pool, so one `Store` is safe to share between threads. Failures of the
+database (down, slow, restarting) and corrupt rows make `draft()` return None: generation goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from crest_client.codec import decode_tree
+from crest_client.draft import Draft
+from crest_client.errors import (
+    CodecError,
+    ConnectionUnavailable,
+    FingerprintMismatch,
+    InvalidName,
+    StoreNotFound,
+)
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_DTYPES = {1: np.dtype(">u1"), 2: np.dtype(">u2"), 4: np.dtype(">u4")}
+
+INFO_SQL = (
+    "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params FROM crest_stores"
+    " WHERE name = %s AND state = 'published'"
+)
+# One round trip: resolve the published version and fetch the longest matching suffix on the hash index.
+LOOKUP_SQL = (
+    "SELECT s.id, g.n, g.tree FROM crest_stores s LEFT JOIN LATERAL ("
+    " SELECT n, tree FROM crest_ngrams g WHERE g.store_id = s.id AND g.key = ANY(%s)"
+    " ORDER BY g.n DESC LIMIT 1) g ON true"
+    " WHERE s.name = %s AND s.state = 'published'"
+)
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """What a client needs to know about the published version of a store."""
+
+    id: int
+    name: str
+    fingerprint: str
+    vocab_size: int
+    token_width: int
+    max_n: int
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class Store:
+    """A pooled, cached reader of one crest store."""
+
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        info: StoreInfo,
+        *,
+        tokenizer_fingerprint: str | None = None,
+        cache_size: int = 4096,
+        timeout: float = 0.01,
+    ) -> None:
+        self._pool = pool
+        self.info = info
+        self.name = info.name
+        self._fingerprint = tokenizer_fingerprint
+        self._cache_size = max(0, int(cache_size))
+        self._cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._timeout = float(timeout)
+        self._dtype = _DTYPES[info.token_width]
+        self._warned: set[str] = set()
+        self.stats = {"lookups": 0, "hits": 0, "errors": 0}
+
+    @classmethod
+    def connect(
+        cls,
+        dsn: str | None = None,
+        name: str = "default",
+        *,
+        tokenizer_fingerprint: str | None = None,
+        cache_size: int = 4096,
+        timeout: float = 0.01,
+        pool_size: int = 4,
+        connect_timeout: float = 10.0,
+    ) -> Store:
+        """Connect to the published store `name` (DSN: argument, else CREST_DATABASE_URL, else embedded)."""
+        if not _NAME_RE.match(name or ""):
+            raise InvalidName(f"store name {name!r} is not a plain identifier")
+        dsn = dsn or os.environ.get("CREST_DATABASE_URL")
+        if not dsn:
+            from crest_client.embedded import embedded_dsn
+
+            dsn = embedded_dsn()
+        timeout_ms = max(1, int(timeout * 1000))
+
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(f"SET statement_timeout = {timeout_ms}")
+            conn.commit()
+
+        pool = ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=max(1, pool_size),
+            open=False,
+            configure=configure,
+            kwargs={"autocommit": True, "prepare_threshold": 0, "application_name": "crest-client"},
+            timeout=connect_timeout,
+            reconnect_timeout=0,
+            name=f"crest-{name}",
+        )
+        try:
+            pool.open(wait=True, timeout=connect_timeout)
+        except PoolTimeout:
+            pool.close()
+            raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
+        try:
+            info = _read_info(pool, name)
+        except BaseException:
+            pool.close()
+            raise
+        if tokenizer_fingerprint is not None and tokenizer_fingerprint != info.fingerprint:
+            pool.close()
+            raise FingerprintMismatch(
+                f"store {name!r} was built with another tokenizer (fingerprint {info.fingerprint[:12]}...) "
+                f"than yours ({tokenizer_fingerprint[:12]}...)"
+            )
+        return cls(
+            pool, info, tokenizer_fingerprint=tokenizer_fingerprint, cache_size=cache_size, timeout=timeout
+        )
+
+    def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Return the keys of the context's suffixes, shortest first."""
+        tail = np.asarray(context_ids[-self.info.max_n :], dtype=np.int64)
+        if tail.size and (tail.min() < 0 or tail.max() >= self.info.vocab_size):
+            return []
+        raw = tail.astype(self._dtype).tobytes()
+        w = self.info.token_width
+        return [raw[len(raw) - k * w :] for k in range(1, tail.size + 1)]
+
+    def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
+        """Return the tree of the longest stored suffix of the context, or None."""
+        tail = tuple(int(t) for t in context_ids[-self.info.max_n :])
+        if not tail:
+            return None
+        self.stats["lookups"] += 1
+        if self._cache_size:
+            with self._lock:
+                found = self._cache.get(tail, _MISSING)
+                if found is not _MISSING:
+                    self._cache.move_to_end(tail)
+                    self.stats["hits"] += 1
+                    return found.truncate(max_nodes) if found is not None else None
+        result = self._lookup(self.keys(tail))
+        if result is _FAILED:
+            return None
+        if self._cache_size:
+            with self._lock:
+                self._cache[tail] = result
+                if len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return result.truncate(max_nodes) if result is not None else None
+
+    def draft_many(
+        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64
+    ) -> list[Draft | None]:
+        """Return drafts for many contexts, sending all lookups in one pipeline."""
+        out: list[Draft | None] = [None] * len(contexts)
+        todo: list[tuple[int, tuple[int, ...]]] = []
+        for i, ctx in enumerate(contexts):
+            tail = tuple(int(t) for t in ctx[-self.info.max_n :])
+            cached = self._cache.get(tail, _MISSING) if self._cache_size else _MISSING
+            if cached is _MISSING:
+                if tail:
+                    todo.append((i, tail))
+            elif cached is not None:
+                out[i] = cached.truncate(max_nodes)
+        if not todo:
+            return out
+        try:
+            with self._pool.connection(timeout=self._timeout) as conn, conn.pipeline():
+                cursors = [
+                    conn.execute(LOOKUP_SQL, (self.keys(tail), self.name), prepare=True, binary=True)
+                    for _, tail in todo
+                ]
+                rows = [cur.fetchone() for cur in cursors]
+        except (psycopg.Error, PoolTimeout) as exc:
+            self._note_failure(exc)
+            return out
+        for (i, tail), row in zip(todo, rows):
+            draft = self._to_draft(row)
+            if draft is _FAILED:
+                continue
+            if self._cache_size:
+                with self._lock:
+                    self._cache[tail] = draft
+                    if len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
+            out[i] = draft.truncate(max_nodes) if draft is not None else None
+        return out
+
+    def clear_cache(self) -> None:
+        """Forget every cached draft."""
+        with self._lock:
+            self._cache.clear()
+
+    def close(self) -> None:
+        """Close the pool."""
+        self._pool.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _lookup(self, keys: list[bytes]) -> Any:
+        if not keys:
+            return None
+        try:
+            with self._pool.connection(timeout=self._timeout) as conn:
+                row = conn.execute(LOOKUP_SQL, (keys, self.name), prepare=True, binary=True).fetchone()
+        except (psycopg.Error, PoolTimeout) as exc:
+            self._note_failure(exc)
+            return _FAILED
+        return self._to_draft(row)
+
+    def _to_draft(self, row: Any) -> Any:
+        if row is None:
+            return None
+        store_id, n, tree = row
+        if store_id != self.info.id:
+            self._switch_version()
+            return _FAILED
+        if tree is None:
+            return None
+        try:
+            return decode_tree(tree, n=int(n))
+        except CodecError as exc:
+            self.stats["errors"] += 1
+            self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {exc}")
+            return None
+
+    def _switch_version(self) -> None:
+        """Follow a newly published version: re-read its info and drop the cache."""
+        try:
+            info = _read_info(self._pool, self.name)
+        except Exception as exc:  # store dropped or database gone: keep serving misses
+            self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
+            return
+        if self._fingerprint is not None and info.fingerprint != self._fingerprint:
+            self._warn_once("fingerprint", f"store {self.name!r} was republished with another tokenizer")
+            return
+        with self._lock:
+            self.info = info
+            self._dtype = _DTYPES[info.token_width]
+            self._cache.clear()
+
+    def _note_failure(self, exc: BaseException) -> None:
+        self.stats["errors"] += 1
+        self._warn_once(type(exc).__name__, f"store {self.name!r} lookup failed (no draft this step): {exc}")
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message)
+
+
+_MISSING: Any = object()
+_FAILED: Any = object()
+
+
+def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
+    try:
+        with pool.connection() as conn:
+            row = conn.execute(INFO_SQL, (name,)).fetchone()
+    except (psycopg.Error, PoolTimeout) as exc:
+        raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
+    if row is None:
+        raise StoreNotFound(f"no published store named {name!r}")
+    sid, fingerprint, vocab_size, width, params = row
+    return StoreInfo(
+        id=int(sid),
+        name=name,
+        fingerprint=fingerprint,
+        vocab_size=int(vocab_size),
+        token_width=int(width),
+        max_n=int((params or {}).get("max_n", 4)),
+        params=dict(params or {}),
+    )
+

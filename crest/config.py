@@ -1,0 +1,92 @@
+"""Configuration read in one place: command-line option > `CREST_*` environment variable > default.
+
+`CREST_DATABASE_URL` names the database (else the embedded default under `CREST_HOME`); ingest and
+generation defaults can be overridden by `CREST_<OPTION>` variables, which the CLI declares per option.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from crest_client.embedded import crest_home, embedded_dsn
+
+from crest.errors import ConfigError, InvalidName
+
+ENV_DSN = "CREST_DATABASE_URL"
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def resolve_dsn(option: str | None = None) -> str:
+    """Return the DSN from the option, else CREST_DATABASE_URL, else the embedded default (started)."""
+    if option:
+        return option
+    env = os.environ.get(ENV_DSN)
+    if env:
+        return env
+    return embedded_dsn(crest_home())
+
+
+def check_store_name(name: str) -> str:
+    """Return `name` when it is a plain identifier, else raise InvalidName."""
+    if not NAME_RE.match(name or ""):
+        raise InvalidName(
+            f"store name {name!r} is not a plain identifier (letters, digits and _, not starting with a digit, "
+            "at most 63 characters)"
+        )
+    return name
+
+
+def parse_size(text: str) -> int:
+    """Parse a size such as '200MB', '1.5G', '64MiB' or '1000000' into bytes."""
+    match = _SIZE_RE.match(text or "")
+    if not match:
+        raise ConfigError(f"size {text!r} is not a number of bytes such as 200MB, 1.5GB or 64MiB")
+    value, unit = float(match.group(1)), (match.group(2) or "").upper()
+    binary = "I" in unit
+    unit = unit.replace("I", "").replace("B", "") or ""
+    base = 1024 ** "KMGT".index(unit[0]) * 1024 if (binary and unit) else _UNITS[unit[:1]]
+    size = int(value * base)
+    if size <= 0:
+        raise ConfigError(f"size {text!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    """The build parameters of a store, recorded with it."""
+
+    max_n: int = 4
+    top_t: int | None = None
+    budget: int | None = None
+    continuation_length: int = 10
+    max_matches: int = 5000
+    tree_size: int = 64
+    seed: int = 0
+    selection: str = "combined"  # combined | single | upto
+    single_n: int | None = None
+
+    def validate(self) -> IngestOptions:
+        """Return self, or raise ConfigError naming the first bad value."""
+        if self.top_t is not None and self.budget is not None:
+            raise ConfigError("give either --top-t or --budget, not both")
+        if self.top_t is not None and self.top_t <= 0:
+            raise ConfigError(f"--top-t must be a positive number of n-grams, got {self.top_t}")
+        if self.budget is not None and self.budget <= 0:
+            raise ConfigError(f"--budget must be a positive size, got {self.budget}")
+        for label, value, low, high in (
+            ("--max-n", self.max_n, 1, 16),
+            ("--continuation-length", self.continuation_length, 1, 256),
+            ("--max-matches", self.max_matches, 1, 10**9),
+            ("--tree-size", self.tree_size, 1, 65535),
+        ):
+            if not low <= value <= high:
+                raise ConfigError(f"{label} must be between {low} and {high}, got {value}")
+        if self.selection not in ("combined", "single", "upto"):
+            raise ConfigError(f"unknown selection {self.selection!r}: use combined, single or upto")
+        if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):
+            raise ConfigError("selection 'single' needs an n between 1 and --max-n")
+        return self

@@ -1,0 +1,74 @@
+"""The database schema, defined with SQLAlchemy Core; Alembic migrations in `migrations/` create it.
+
+`crest_stores` holds one row per store version (state building -> published -> retired, or failed).
+`crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills stand-alone tables and
+attaches them as partitions in the same transaction that publishes the version, so readers see either the
+previous version or the new one, never a partial one, and an old version is dropped as a whole.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+
+metadata = sa.MetaData()
+
+STATES = ("building", "published", "retired", "failed")
+
+stores = sa.Table(
+    "crest_stores",
+    metadata,
+    sa.Column("id", sa.Integer, sa.Identity(), primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False, server_default="building"),
+    sa.Column("tokenizer_fingerprint", sa.Text, nullable=False),
+    sa.Column("tokenizer", sa.Text, nullable=False, server_default=""),
+    sa.Column("vocab_size", sa.Integer, nullable=False),
+    sa.Column("token_width", sa.SmallInteger, nullable=False),
+    sa.Column("params", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("figures", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    sa.Column("published_at", sa.DateTime(timezone=True)),
+    sa.CheckConstraint(f"state IN {STATES!r}", name="crest_stores_state_check"),
+    sa.CheckConstraint("name ~ '^[A-Za-z_][A-Za-z0-9_]{0,62}$'", name="crest_stores_name_check"),
+)
+sa.Index(
+    "crest_stores_published_name",
+    stores.c.name,
+    unique=True,
+    postgresql_where=stores.c.state == "published",
+)
+
+ngrams = sa.Table(
+    "crest_ngrams",
+    metadata,
+    sa.Column("store_id", sa.Integer, nullable=False),
+    sa.Column("key", sa.LargeBinary, nullable=False),  # the n token ids, big-endian, store.token_width bytes each
+    sa.Column("n", sa.SmallInteger, nullable=False),
+    sa.Column("count", sa.Integer, nullable=False),  # occurrences in the corpus
+    sa.Column("tree", sa.LargeBinary, nullable=False),  # crest_client.codec blob
+    postgresql_partition_by="LIST (store_id)",
+)
+sa.Index("crest_ngrams_key", ngrams.c.key, postgresql_using="hash")
+
+vocab = sa.Table(
+    "crest_vocab",
+    metadata,
+    sa.Column("store_id", sa.Integer, nullable=False),
+    sa.Column("token_id", sa.Integer, nullable=False),
+    sa.Column("piece", sa.Text, nullable=False),
+    postgresql_partition_by="LIST (store_id)",
+)
+sa.Index("crest_vocab_token", vocab.c.store_id, vocab.c.token_id, unique=True)
+
+KEY_TOKENS_FUNCTION = """
+CREATE OR REPLACE FUNCTION crest_key_tokens(key bytea, width integer) RETURNS integer[]
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+  SELECT coalesce(array_agg(tok ORDER BY i), '{}')
+  FROM (
+    SELECT i, (SELECT sum(get_byte(key, i * width + j)::bigint << (8 * (width - 1 - j)))
+               FROM generate_series(0, width - 1) AS j)::integer AS tok
+    FROM generate_series(0, length(key) / width - 1) AS i
+  ) AS t
+$$
+"""
