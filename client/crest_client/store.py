@@ -202,7 +202,7 @@ class Store:
         except (psycopg.Error, PoolTimeout) as exc:
             self._note_failure(exc)
             return out
-        for (i, tail), row in zip(todo, rows):
+        for (i, tail), row in zip(todo, rows, strict=False):
             draft = self._to_draft(row)
             if draft is _FAILED:
                 continue
@@ -303,4 +303,3 @@ def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
         max_n=int((params or {}).get("max_n", 4)),
         params=dict(params or {}),
     )
-

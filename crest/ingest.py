@@ -1,0 +1,350 @@
+"""The ingest pipeline: corpus -> token ids -> n-gram counts -> selection -> trees -> blobs -> COPY -> publish.
+
+Each stage takes arrays and returns arrays; this module only sequences them, times them, reports progress
+and guarantees the all-or-nothing outcome: the new version becomes visible in one transaction at the end,
+and any failure (or a kill, cleaned up by the next run) leaves the previously published version untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from crest_client.codec import encode_tree, token_width
+from crest_client.embedded import crest_home
+
+from crest import db
+from crest.config import IngestOptions, check_store_name
+from crest.corpus import CorpusReport, iter_documents
+from crest.errors import ConfigError, CorpusError
+from crest.ngrams import count_ngrams, select_top
+from crest.tokenize import load_tokenizer, tokenize_corpus
+from crest.trees import TreeBatch, build_trees
+
+Advance = Callable[[int], None]
+
+# On-disk cost of a row besides its key and blob: heap tuple header (24), store_id (4), n (2), count (4),
+# varlena headers, alignment, the line pointer (4) and a hash index entry (~20 at the default fill factor).
+_HASH_ENTRY_BYTES = 22
+
+
+class Reporter(Protocol):
+    """Receives progress: `stage(name, total)` returns a callable taking the amount advanced."""
+
+    def stage(self, name: str, total: int | None) -> Advance: ...
+
+    def done(self, name: str) -> None: ...
+
+
+class SilentReporter:
+    """A reporter that shows nothing."""
+
+    def stage(self, name: str, total: int | None) -> Advance:
+        return lambda advance: None
+
+    def done(self, name: str) -> None:
+        pass
+
+
+@dataclass
+class IngestSummary:
+    """What an ingest did, printed by the CLI and recorded in the store's `figures`."""
+
+    store: str
+    store_id: int
+    documents: int
+    empty_documents: int
+    dropped_records: int
+    drop_reasons: list[str]
+    tokens: int
+    counted: dict[int, int]
+    kept: dict[int, int]
+    positions: dict[int, int]
+    covered: dict[int, int]
+    avg_tree_nodes: float
+    blob_bytes: int
+    table_bytes: int
+    index_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    top_t: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(self.kept.values())
+
+    @property
+    def bytes_per_ngram(self) -> float:
+        return (self.table_bytes + self.index_bytes) / max(1, self.rows)
+
+    def to_figures(self) -> dict[str, Any]:
+        """Return the summary as JSON-ready figures."""
+        out = asdict(self)
+        for key in ("counted", "kept", "positions", "covered"):
+            out[key] = {str(k): v for k, v in out[key].items()}
+        out["bytes_per_ngram"] = round(self.bytes_per_ngram, 1)
+        return out
+
+
+def estimate_row_bytes(key_bytes: np.ndarray | int, blob_bytes: np.ndarray | int) -> np.ndarray:
+    """Estimate the on-disk bytes of n-gram rows (heap tuple, line pointer, hash index entry)."""
+    key = np.asarray(key_bytes, dtype=np.int64)
+    blob = np.asarray(blob_bytes, dtype=np.int64)
+    blob_hdr = np.where(blob + 1 <= 126, 1, 4)
+    data = 4 + (key + 1) + 1 + 2 + 4 + 3 + blob_hdr + blob  # int4, key, pad, int2, int4 (aligned), blob
+    heap = (24 + data + 7) // 8 * 8 + 4
+    return heap + _HASH_ENTRY_BYTES
+
+
+@contextmanager
+def _workdir() -> Iterator[Path]:
+    root = crest_home() / "work"
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_workdirs(root)
+    path = Path(tempfile.mkdtemp(prefix=f"ingest-{os.getpid()}-", dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_stale_workdirs(root: Path) -> None:
+    """Delete the work directories of ingests whose process is gone."""
+    for child in root.glob("ingest-*"):
+        try:
+            pid = int(child.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(child, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def ingest(
+    inputs: Sequence[str],
+    *,
+    store: str,
+    tokenizer: str,
+    dsn: str,
+    options: IngestOptions,
+    fmt: str = "auto",
+    reporter: Reporter | None = None,
+) -> IngestSummary:
+    """Build a new version of `store` from `inputs` and publish it atomically."""
+    options.validate()
+    check_store_name(store)
+    if options.top_t is None and options.budget is None:
+        raise ConfigError("give --top-t T or --budget SIZE")
+    rep = reporter or SilentReporter()
+    seconds: dict[str, float] = {}
+    tok = load_tokenizer(tokenizer)
+    db.upgrade(dsn)
+    with db.session(dsn) as conn:
+        db.clean_leftovers(conn)
+
+    with _workdir() as work:
+        t0 = time.perf_counter()
+        report = CorpusReport()
+        docs = iter_documents(list(inputs), fmt=fmt, report=report)
+        corpus = tokenize_corpus(docs, tok, workdir=work, progress=rep.stage("read + tokenize", None))
+        rep.done("read + tokenize")
+        seconds["read_tokenize"] = time.perf_counter() - t0
+        if corpus.tokens_total == 0:
+            raise CorpusError("the corpus has no tokens: every document was empty")
+        tokens, offsets = corpus.tokens, corpus.doc_offsets
+
+        t0 = time.perf_counter()
+        counts = count_ngrams(
+            tokens,
+            offsets,
+            max_n=options.max_n,
+            vocab_size=tok.vocab_size,
+            progress=rep.stage("count n-grams", int(tokens.shape[0]) * options.max_n),
+        )
+        rep.done("count n-grams")
+        seconds["count"] = time.perf_counter() - t0
+
+        build = db.begin_build(
+            dsn,
+            store,
+            fingerprint=tok.fingerprint,
+            tokenizer=str(tokenizer),
+            vocab_size=tok.vocab_size,
+            token_width=token_width(tok.vocab_size),
+            params={**asdict(options), "format": fmt},
+        )
+        try:
+            t0 = time.perf_counter()
+            build.copy_vocab(tok.pieces())
+            loader = _Loader(build, tok.vocab_size, options)
+            top_t = loader.load(tokens, offsets, counts, rep)
+            rep.done("build trees + load")
+            seconds["trees_load"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            build.finish_tables()
+            sizes = build.table_bytes()
+            summary = IngestSummary(
+                store=store,
+                store_id=build.store_id,
+                documents=report.documents,
+                empty_documents=report.empty_documents,
+                dropped_records=report.dropped_records,
+                drop_reasons=list(report.drop_reasons),
+                tokens=int(corpus.tokens_total),
+                counted={n: int(counts.unique(n)) for n in range(1, options.max_n + 1)},
+                kept=loader.kept,
+                positions={n: int(counts.positions(n)) for n in range(1, options.max_n + 1)},
+                covered=loader.covered,
+                avg_tree_nodes=loader.nodes / max(1, sum(loader.kept.values())),
+                blob_bytes=loader.blob_bytes,
+                table_bytes=sizes["table_bytes"],
+                index_bytes=sizes["index_bytes"],
+                seconds=seconds,
+                top_t=top_t,
+            )
+            if summary.rows == 0:
+                raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
+            build.publish(summary.to_figures())
+            seconds["index_publish"] = time.perf_counter() - t0
+            summary.peak_rss_bytes = _peak_rss()
+            build.set_figures(summary.to_figures())
+        except BaseException:
+            build.fail()
+            raise
+        finally:
+            build.close()
+    with db.session(dsn) as conn:
+        db.clean_leftovers(conn)
+    return summary
+
+
+class _Loader:
+    """Builds trees for the selected n-grams, encodes them and streams rows into the build's table."""
+
+    def __init__(self, build: db.Build, vocab_size: int, options: IngestOptions) -> None:
+        self.build = build
+        self.vocab_size = vocab_size
+        self.options = options
+        self.width = token_width(vocab_size)
+        self.kept: dict[int, int] = {n: 0 for n in range(1, options.max_n + 1)}
+        self.covered: dict[int, int] = {n: 0 for n in range(1, options.max_n + 1)}
+        self.nodes = 0
+        self.blob_bytes = 0
+
+    def load(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int | None:
+        """Load the selection (fixed T) or the largest T within the budget; return T."""
+        opts = self.options
+        if opts.budget is None:
+            assert opts.top_t is not None
+            selected = select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n)
+            total = sum(len(s.counts) for s in selected.values())
+            advance = rep.stage("build trees + load", total)
+            for n, sel in selected.items():
+                rows = self._rows(tokens, offsets, n, sel.ngrams, sel.counts, advance)
+                self.build.copy_ngrams(rows)
+            return opts.top_t
+        return self._load_budget(tokens, offsets, counts, rep)
+
+    def _rows(
+        self,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        n: int,
+        ngrams: np.ndarray,
+        counts: np.ndarray,
+        advance: Advance,
+    ) -> Iterator[tuple[bytes, int, int, bytes]]:
+        yield from self._account(n, self._encoded(tokens, offsets, n, ngrams, counts), advance)
+
+    def _encoded(
+        self, tokens: np.ndarray, offsets: np.ndarray, n: int, ngrams: np.ndarray, counts: np.ndarray
+    ) -> Iterator[tuple[int, bytes, int, bytes, int]]:
+        """Yield (index, key, count, blob, nodes) for the given n-grams that have a tree."""
+        opts = self.options
+        keys = np.ascontiguousarray(ngrams, dtype=np.int64).astype(f">u{self.width}")
+        raw = keys.tobytes()
+        stride = n * self.width
+        batches: Iterator[TreeBatch] = build_trees(
+            tokens,
+            offsets,
+            ngrams,
+            n=n,
+            continuation_length=opts.continuation_length,
+            max_matches=opts.max_matches,
+            tree_size=opts.tree_size,
+            seed=opts.seed,
+        )
+        vocab = self.vocab_size
+        for batch in batches:
+            off = batch.offsets
+            for j, idx in enumerate(batch.ngram_index.tolist()):
+                a, b = int(off[j]), int(off[j + 1])
+                if a == b:
+                    continue  # an n-gram with no continuation drafts nothing
+                blob = encode_tree(
+                    batch.tokens[a:b], batch.parents[a:b], batch.weights[a:b], vocab_size=vocab
+                )
+                yield idx, raw[idx * stride : (idx + 1) * stride], int(counts[idx]), blob, b - a
+
+    def _load_budget(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int:
+        """Load rank blocks until the next rank no longer fits the budget; return the T reached."""
+        opts = self.options
+        assert opts.budget is not None
+        ns = range(1, opts.max_n + 1) if opts.selection != "single" else [opts.single_n or 1]
+        ceiling = max(int(counts.unique(n)) for n in ns)
+        full = select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n)
+        advance = rep.stage("build trees + load (budget)", None)
+        spent, lo, block = 0, 0, 4096
+        while lo < ceiling:
+            hi = min(ceiling, lo + block)
+            per_n: dict[int, list[tuple[int, bytes, int, bytes, int]]] = {}
+            rank_bytes = np.zeros(hi - lo, dtype=np.int64)
+            for n, sel in full.items():
+                part = sel.ngrams[lo:hi]
+                if len(part) == 0:
+                    continue
+                rows = list(self._encoded(tokens, offsets, n, part, sel.counts[lo:hi]))
+                per_n[n] = rows
+                ranks = np.array([r[0] for r in rows], dtype=np.int64)
+                sizes = estimate_row_bytes(
+                    n * self.width, np.array([len(r[3]) for r in rows], dtype=np.int64)
+                )
+                np.add.at(rank_bytes, ranks, sizes)
+            cum = spent + np.cumsum(rank_bytes)
+            fit = int(np.searchsorted(cum, opts.budget, side="right"))  # ranks lo..lo+fit-1 fit
+            for n, rows in per_n.items():
+                self.build.copy_ngrams(self._account(n, [r for r in rows if r[0] < fit], advance))
+            if fit < hi - lo:
+                return lo + fit
+            spent = int(cum[-1]) if len(cum) else spent
+            lo, block = hi, block * 2
+        return ceiling
+
+    def _account(
+        self, n: int, rows: Iterable[tuple[int, bytes, int, bytes, int]], advance: Advance
+    ) -> Iterator[tuple[bytes, int, int, bytes]]:
+        for _, key, count, blob, nodes in rows:
+            self.kept[n] += 1
+            self.covered[n] += count
+            self.nodes += nodes
+            self.blob_bytes += len(blob)
+            yield key, n, count, blob
+            advance(1)
