@@ -124,9 +124,7 @@ class Build:
         sid, ng, vt = self.store_id, ngram_table(self.store_id), vocab_table(self.store_id)
         with self.conn.transaction():
             self.conn.execute(
-                sql.SQL("CREATE INDEX {} ON {} USING hash (key)").format(
-                    sql.Identifier(f"crest_ngrams_s{sid}_key"), ng
-                )
+                sql.SQL("CREATE INDEX {} ON {} USING hash (key)").format(sql.Identifier(f"crest_ngrams_s{sid}_key"), ng)
             )
             self.conn.execute(
                 sql.SQL("CREATE UNIQUE INDEX {} ON {} (store_id, token_id)").format(
@@ -220,13 +218,11 @@ def begin_build(
             sid = int(row[0])
             conn.execute("SELECT pg_advisory_lock(%s, %s)", (_LOCK_SPACE, sid))
             conn.execute(
-                sql.SQL(
-                    "CREATE TABLE {} (LIKE crest_ngrams INCLUDING DEFAULTS) WITH (fillfactor = 100)"
-                ).format(ngram_table(sid))
+                sql.SQL("CREATE TABLE {} (LIKE crest_ngrams INCLUDING DEFAULTS) WITH (fillfactor = 100)").format(
+                    ngram_table(sid)
+                )
             )
-            conn.execute(
-                sql.SQL("CREATE TABLE {} (LIKE crest_vocab INCLUDING DEFAULTS)").format(vocab_table(sid))
-            )
+            conn.execute(sql.SQL("CREATE TABLE {} (LIKE crest_vocab INCLUDING DEFAULTS)").format(vocab_table(sid)))
         return Build(conn, sid, name)
     except psycopg.Error as exc:
         conn.close()
@@ -240,9 +236,7 @@ def clean_leftovers(conn: psycopg.Connection[Any], *, lock_timeout_ms: int = 200
     conn.autocommit = True
     try:
         conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{int(lock_timeout_ms)}ms")))
-        rows = conn.execute(
-            "SELECT id, state FROM crest_stores WHERE state <> 'published' ORDER BY id"
-        ).fetchall()
+        rows = conn.execute("SELECT id, state FROM crest_stores WHERE state <> 'published' ORDER BY id").fetchall()
         for sid, state in rows:
             if state == "building":
                 got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_LOCK_SPACE, sid)).fetchone()

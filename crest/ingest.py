@@ -185,7 +185,7 @@ def ingest(
             dsn,
             store,
             fingerprint=tok.fingerprint,
-            tokenizer=str(tokenizer),
+            tokenizer=str(Path(tokenizer).resolve()) if Path(tokenizer).exists() else str(tokenizer),
             vocab_size=tok.vocab_size,
             token_width=token_width(tok.vocab_size),
             params={**asdict(options), "format": fmt},
@@ -299,9 +299,7 @@ class _Loader:
                 a, b = int(off[j]), int(off[j + 1])
                 if a == b:
                     continue  # an n-gram with no continuation drafts nothing
-                blob = encode_tree(
-                    batch.tokens[a:b], batch.parents[a:b], batch.weights[a:b], vocab_size=vocab
-                )
+                blob = encode_tree(batch.tokens[a:b], batch.parents[a:b], batch.weights[a:b], vocab_size=vocab)
                 yield idx, raw[idx * stride : (idx + 1) * stride], int(counts[idx]), blob, b - a
 
     def _load_budget(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int:
@@ -324,9 +322,7 @@ class _Loader:
                 rows = list(self._encoded(tokens, offsets, n, part, sel.counts[lo:hi]))
                 per_n[n] = rows
                 ranks = np.array([r[0] for r in rows], dtype=np.int64)
-                sizes = estimate_row_bytes(
-                    n * self.width, np.array([len(r[3]) for r in rows], dtype=np.int64)
-                )
+                sizes = estimate_row_bytes(n * self.width, np.array([len(r[3]) for r in rows], dtype=np.int64))
                 np.add.at(rank_bytes, ranks, sizes)
             cum = spent + np.cumsum(rank_bytes)
             fit = int(np.searchsorted(cum, opts.budget, side="right"))  # ranks lo..lo+fit-1 fit

@@ -38,7 +38,7 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _DTYPES = {1: np.dtype(">u1"), 2: np.dtype(">u2"), 4: np.dtype(">u4")}
 
 INFO_SQL = (
-    "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params FROM crest_stores"
+    "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params, tokenizer FROM crest_stores"
     " WHERE name = %s AND state = 'published'"
 )
 # One round trip: resolve the published version and fetch the longest matching suffix on the hash index.
@@ -61,6 +61,7 @@ class StoreInfo:
     token_width: int
     max_n: int
     params: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = ""
 
 
 class Store:
@@ -140,9 +141,7 @@ class Store:
                 f"store {name!r} was built with another tokenizer (fingerprint {info.fingerprint[:12]}...) "
                 f"than yours ({tokenizer_fingerprint[:12]}...)"
             )
-        return cls(
-            pool, info, tokenizer_fingerprint=tokenizer_fingerprint, cache_size=cache_size, timeout=timeout
-        )
+        return cls(pool, info, tokenizer_fingerprint=tokenizer_fingerprint, cache_size=cache_size, timeout=timeout)
 
     def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Return the keys of the context's suffixes, shortest first."""
@@ -166,7 +165,7 @@ class Store:
                     self._cache.move_to_end(tail)
                     self.stats["hits"] += 1
                     return found.truncate(max_nodes) if found is not None else None
-        result = self._lookup(self.keys(tail))
+        result = self._lookup(tail)
         if result is _FAILED:
             return None
         if self._cache_size:
@@ -176,9 +175,7 @@ class Store:
                     self._cache.popitem(last=False)
         return result.truncate(max_nodes) if result is not None else None
 
-    def draft_many(
-        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64
-    ) -> list[Draft | None]:
+    def draft_many(self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64) -> list[Draft | None]:
         """Return drafts for many contexts, sending all lookups in one pipeline."""
         out: list[Draft | None] = [None] * len(contexts)
         todo: list[tuple[int, tuple[int, ...]]] = []
@@ -204,7 +201,7 @@ class Store:
             return out
         for (i, tail), row in zip(todo, rows, strict=False):
             draft = self._to_draft(row)
-            if draft is _FAILED:
+            if draft is _FAILED or draft is _SWITCHED:
                 continue
             if self._cache_size:
                 with self._lock:
@@ -229,24 +226,28 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _lookup(self, keys: list[bytes]) -> Any:
-        if not keys:
-            return None
-        try:
-            with self._pool.connection(timeout=self._timeout) as conn:
-                row = conn.execute(LOOKUP_SQL, (keys, self.name), prepare=True, binary=True).fetchone()
-        except (psycopg.Error, PoolTimeout) as exc:
-            self._note_failure(exc)
-            return _FAILED
-        return self._to_draft(row)
+    def _lookup(self, tail: tuple[int, ...]) -> Any:
+        for _ in range(2):  # a second try follows a version published since the keys were made
+            keys = self.keys(tail)
+            if not keys:
+                return None
+            try:
+                with self._pool.connection(timeout=self._timeout) as conn:
+                    row = conn.execute(LOOKUP_SQL, (keys, self.name), prepare=True, binary=True).fetchone()
+            except (psycopg.Error, PoolTimeout) as exc:
+                self._note_failure(exc)
+                return _FAILED
+            result = self._to_draft(row)
+            if result is not _SWITCHED:
+                return result
+        return _FAILED
 
     def _to_draft(self, row: Any) -> Any:
         if row is None:
             return None
         store_id, n, tree = row
         if store_id != self.info.id:
-            self._switch_version()
-            return _FAILED
+            return _SWITCHED if self._switch_version() else _FAILED
         if tree is None:
             return None
         try:
@@ -256,20 +257,21 @@ class Store:
             self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {exc}")
             return None
 
-    def _switch_version(self) -> None:
+    def _switch_version(self) -> bool:
         """Follow a newly published version: re-read its info and drop the cache."""
         try:
             info = _read_info(self._pool, self.name)
         except Exception as exc:  # store dropped or database gone: keep serving misses
             self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
-            return
+            return False
         if self._fingerprint is not None and info.fingerprint != self._fingerprint:
             self._warn_once("fingerprint", f"store {self.name!r} was republished with another tokenizer")
-            return
+            return False
         with self._lock:
             self.info = info
             self._dtype = _DTYPES[info.token_width]
             self._cache.clear()
+        return True
 
     def _note_failure(self, exc: BaseException) -> None:
         self.stats["errors"] += 1
@@ -283,6 +285,7 @@ class Store:
 
 _MISSING: Any = object()
 _FAILED: Any = object()
+_SWITCHED: Any = object()
 
 
 def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
@@ -293,7 +296,7 @@ def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
         raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
     if row is None:
         raise StoreNotFound(f"no published store named {name!r}")
-    sid, fingerprint, vocab_size, width, params = row
+    sid, fingerprint, vocab_size, width, params, tokenizer = row
     return StoreInfo(
         id=int(sid),
         name=name,
@@ -302,4 +305,5 @@ def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
         token_width=int(width),
         max_n=int((params or {}).get("max_n", 4)),
         params=dict(params or {}),
+        tokenizer=str(tokenizer or ""),
     )

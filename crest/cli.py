@@ -1,0 +1,189 @@
+"""The `crest` command line: parses options (option > CREST_* environment variable > default) and calls the library.
+
+Every failure the user can cause ends with a one-line message on stderr and a non-zero exit code, never a
+traceback (set CREST_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n")[0])
+db_app = typer.Typer(no_args_is_help=True, help="Manage the database schema.")
+server_app = typer.Typer(no_args_is_help=True, help="Manage the embedded default PostgreSQL server.")
+app.add_typer(db_app, name="db")
+app.add_typer(server_app, name="server")
+
+Dsn = Annotated[
+    str | None,
+    typer.Option("--dsn", envvar="CREST_DATABASE_URL", help="PostgreSQL DSN; default: the embedded server."),
+]
+StoreName = Annotated[str, typer.Option("--store", "-s", envvar="CREST_STORE", help="Store name.")]
+
+
+@app.command()
+def ingest(
+    inputs: Annotated[list[str], typer.Argument(help="Files, directories or globs to read.")],
+    store: StoreName,
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", "-t", envvar="CREST_TOKENIZER", help="HF tokenizer dir/name or .gguf file.")
+    ],
+    fmt: Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")] = "auto",
+    max_n: Annotated[int, typer.Option(envvar="CREST_MAX_N", help="Largest n-gram length.")] = 4,
+    top_t: Annotated[int | None, typer.Option(help="Keep the T most common n-grams of each n.")] = None,
+    budget: Annotated[str | None, typer.Option(help="Largest T whose store fits this size, e.g. 200MB.")] = None,
+    continuation_length: Annotated[int, typer.Option(help="Tokens of continuation per occurrence.")] = 10,
+    max_matches: Annotated[int, typer.Option(help="Occurrences sampled per n-gram at most.")] = 5000,
+    tree_size: Annotated[int, typer.Option(envvar="CREST_TREE_SIZE", help="Nodes kept per tree.")] = 64,
+    seed: Annotated[int, typer.Option(help="Seed of the occurrence sampling.")] = 0,
+    selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
+    single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store."""
+    from crest.config import IngestOptions, parse_size, resolve_dsn
+    from crest.display import RichReporter, print_summary
+    from crest.ingest import ingest as run_ingest
+
+    options = IngestOptions(
+        max_n=max_n,
+        top_t=top_t,
+        budget=parse_size(budget) if budget is not None else None,
+        continuation_length=continuation_length,
+        max_matches=max_matches,
+        tree_size=tree_size,
+        seed=seed,
+        selection=selection,
+        single_n=single_n,
+    ).validate()
+    if options.top_t is None and options.budget is None:
+        options = IngestOptions(**{**options.__dict__, "top_t": 100_000}).validate()
+    with RichReporter(enabled=not quiet) as reporter:
+        summary = run_ingest(
+            inputs, store=store, tokenizer=tokenizer, dsn=resolve_dsn(dsn), options=options, fmt=fmt, reporter=reporter
+        )
+    print_summary(summary)
+
+
+@app.command()
+def lookup(
+    text: Annotated[str, typer.Argument(help="Text whose end is looked up.")],
+    store: StoreName,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", "-t", help="Default: the tokenizer the store was built with.")
+    ] = None,
+    max_nodes: Annotated[int, typer.Option(help="Nodes of the tree to show.")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Show the draft tree stored for the longest suffix of TEXT."""
+    from crest_client import Store
+
+    from crest.config import check_store_name, resolve_dsn
+    from crest.display import print_draft
+    from crest.tokenize import load_tokenizer
+
+    check_store_name(store)
+    with Store.connect(resolve_dsn(dsn), store, cache_size=0, timeout=5.0) as handle:
+        tok = load_tokenizer(tokenizer or handle.info.tokenizer)
+        if tok.fingerprint != handle.info.fingerprint:
+            from crest.errors import FingerprintMismatch
+
+            raise FingerprintMismatch(f"store {store!r} was built with another tokenizer than {tok.spec!r}")
+        ids = tok.encode(text)
+        draft = handle.draft(ids, max_nodes=max_nodes)
+    pieces = [tok.hf.decode([int(t)]) for t in (draft.tokens.tolist() if draft is not None else [])]
+    print_draft(draft, pieces, as_json=as_json)
+
+
+@app.command()
+def stores(
+    show_all: Annotated[bool, typer.Option("--all", help="Also versions being built, retired or failed.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """List the stores with their figures and disk use."""
+    from crest import db
+    from crest.config import resolve_dsn
+    from crest.display import print_stores
+
+    url = resolve_dsn(dsn)
+    db.upgrade(url)
+    with db.session(url) as conn:
+        print_stores(db.list_stores(conn, include_all=show_all), as_json=as_json)
+
+
+@app.command()
+def drop(name: Annotated[str, typer.Argument(help="Store to drop.")], dsn: Dsn = None) -> None:
+    """Drop the published version of a store."""
+    from crest import db
+    from crest.config import resolve_dsn
+
+    url = resolve_dsn(dsn)
+    with db.session(url) as conn:
+        sid = db.drop_store(conn, name)
+    typer.echo(f"dropped store {name!r} (version {sid})")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head", dsn: Dsn = None) -> None:
+    """Create or migrate crest's tables (safe to run many times)."""
+    from crest import db
+    from crest.config import resolve_dsn
+
+    current = db.upgrade(resolve_dsn(dsn), revision=revision)
+    typer.echo(f"database schema at revision {current}")
+
+
+@server_app.command("start")
+def server_start() -> None:
+    """Start (or find) the embedded server and print its DSN."""
+    from crest_client.embedded import embedded_dsn
+
+    typer.echo(embedded_dsn())
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the embedded server."""
+    from crest_client.embedded import stop_embedded
+
+    typer.echo("stopped" if stop_embedded() else "not running")
+
+
+def main() -> None:
+    """Run the CLI, turning crest's errors into one-line messages and exit codes."""
+    from crest_client.errors import CrestClientError
+
+    try:
+        app(standalone_mode=False)
+    except CrestClientError as exc:
+        _fail(str(exc), getattr(exc, "exit_code", 1))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except typer.Abort:
+        _fail("aborted", 1)
+    except Exception as exc:
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if os.environ.get("CREST_DEBUG"):
+            raise
+        _fail(f"unexpected {type(exc).__name__}: {exc} (set CREST_DEBUG=1 for a traceback)", 1)
+    sys.exit(0)
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"Error: {message}", err=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Terminal output for the CLI: rich progress bars for ingest stages and tables for summaries and drafts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from crest_client.draft import Draft
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rich.tree import Tree
+
+from crest.ingest import Advance, IngestSummary
+
+console = Console(stderr=True)
+out = Console()
+
+
+class RichReporter:
+    """Shows one progress bar per ingest stage on stderr."""
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not enabled,
+            transient=False,
+        )
+        self._tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> RichReporter:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def stage(self, name: str, total: int | None) -> Advance:
+        task = self._progress.add_task(name, total=total)
+        self._tasks[name] = task
+        return lambda advance: self._progress.advance(task, advance)
+
+    def done(self, name: str) -> None:
+        task = self._tasks.get(name)
+        if task is not None:
+            current = self._progress.tasks[task].completed
+            self._progress.update(task, total=current, completed=current)
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:,.1f} MB"
+
+
+def print_summary(summary: IngestSummary) -> None:
+    """Print an ingest summary: documents, tokens, n-grams per n, bytes and time per stage."""
+    head = Table(title=f"store {summary.store!r} published (version {summary.store_id})", show_header=False)
+    head.add_row("documents", f"{summary.documents:,} (+{summary.empty_documents:,} empty skipped)")
+    if summary.dropped_records:
+        head.add_row("records dropped", f"{summary.dropped_records:,}: " + "; ".join(summary.drop_reasons[:3]))
+    head.add_row("tokens", f"{summary.tokens:,}")
+    head.add_row("top-t", str(summary.top_t))
+    head.add_row("n-grams stored", f"{summary.rows:,} (avg tree {summary.avg_tree_nodes:.1f} nodes)")
+    head.add_row(
+        "bytes on disk",
+        f"{_mb(summary.table_bytes + summary.index_bytes)} (table {_mb(summary.table_bytes)}, "
+        f"index {_mb(summary.index_bytes)}; {summary.bytes_per_ngram:.0f} B per n-gram)",
+    )
+    head.add_row("peak memory", _mb(summary.peak_rss_bytes))
+    out.print(head)
+    per_n = Table(title="n-grams per n")
+    for column in ("n", "counted (unique)", "kept", "positions", "covered by kept"):
+        per_n.add_column(column, justify="right")
+    for n in sorted(summary.counted):
+        pos = summary.positions.get(n, 0)
+        cov = summary.covered.get(n, 0)
+        share = f" ({100 * cov / pos:.1f}%)" if pos else ""
+        per_n.add_row(str(n), f"{summary.counted[n]:,}", f"{summary.kept.get(n, 0):,}", f"{pos:,}", f"{cov:,}{share}")
+    out.print(per_n)
+    stages = Table(title="time per stage")
+    stages.add_column("stage")
+    stages.add_column("seconds", justify="right")
+    stages.add_column("tokens/s", justify="right")
+    for stage, seconds in summary.seconds.items():
+        stages.add_row(stage, f"{seconds:.2f}", f"{summary.tokens / seconds:,.0f}" if seconds > 0 else "-")
+    stages.add_row("total", f"{sum(summary.seconds.values()):.2f}", "")
+    out.print(stages)
+
+
+def print_draft(draft: Draft | None, pieces: Sequence[str], *, as_json: bool = False) -> None:
+    """Print a draft tree with each node's token text and weight."""
+    if as_json:
+        payload = (
+            None
+            if draft is None
+            else {
+                "n": draft.n,
+                "tokens": draft.tokens.tolist(),
+                "parents": draft.parents.tolist(),
+                "weights": draft.weights.tolist(),
+                "text": list(pieces),
+            }
+        )
+        out.print_json(json.dumps(payload))
+        return
+    if draft is None or len(draft) == 0:
+        out.print("no stored suffix matches the end of this text")
+        return
+    root = Tree(f"[bold]matched suffix of {draft.n} token(s)[/bold], {len(draft)} nodes")
+    nodes: list[Tree] = []
+    for i, (parent, weight) in enumerate(zip(draft.parents.tolist(), draft.weights.tolist(), strict=True)):
+        label = f"{pieces[i]!r} [dim](id {int(draft.tokens[i])}, weight {weight})[/dim]"
+        nodes.append((root if parent < 0 else nodes[parent]).add(label))
+    out.print(root)
+
+
+def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False) -> None:
+    """Print the stores with their key figures."""
+    if as_json:
+        out.print_json(json.dumps(rows, default=str))
+        return
+    table = Table(title="crest stores")
+    for column in ("name", "version", "state", "n-grams", "tokens", "bytes (table+index)", "B/n-gram", "published"):
+        table.add_column(column)
+    for row in rows:
+        figures = row.get("figures") or {}
+        kept = sum((figures.get("kept") or {}).values())
+        size = int(row["table_bytes"]) + int(row["index_bytes"])
+        table.add_row(
+            row["name"],
+            str(row["id"]),
+            row["state"],
+            f"{kept:,}",
+            f"{figures.get('tokens', 0):,}",
+            _mb(size),
+            f"{size / kept:.0f}" if kept else "-",
+            str(row["published_at"] or "")[:19],
+        )
+    out.print(table)

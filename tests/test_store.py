@@ -1,0 +1,177 @@
+"""The SDK against a real PostgreSQL: longest-suffix lookup, cache, versions, fingerprints, corrupt rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import psycopg
+import pytest
+from crest_client import FingerprintMismatch, InvalidName, Store, StoreNotFound
+from crest_client.codec import encode_tree, token_width
+
+from crest import db
+
+VOCAB = 1000
+
+
+def _key(ngram: tuple[int, ...]) -> bytes:
+    return np.asarray(ngram, dtype=f">u{token_width(VOCAB)}").tobytes()
+
+
+def _tree(first: int, size: int) -> bytes:
+    tokens = np.arange(first, first + size, dtype=np.int64)
+    parents = np.arange(-1, size - 1, dtype=np.int32)  # a chain
+    weights = np.arange(size, 0, -1, dtype=np.int64)
+    return encode_tree(tokens, parents, weights, vocab_size=VOCAB)
+
+
+def publish(dsn: str, name: str, rows: dict[tuple[int, ...], bytes], *, fingerprint: str = "fp-a") -> int:
+    build = db.begin_build(
+        dsn,
+        name,
+        fingerprint=fingerprint,
+        tokenizer="test",
+        vocab_size=VOCAB,
+        token_width=token_width(VOCAB),
+        params={"max_n": 3},
+    )
+    try:
+        build.copy_vocab((i, f"<{i}>") for i in range(VOCAB))
+        build.copy_ngrams((_key(k), len(k), 7, tree) for k, tree in rows.items())
+        build.finish_tables()
+        build.publish({"kept": {"1": len(rows)}})
+        return build.store_id
+    finally:
+        build.close()
+
+
+ROWS = {(5,): _tree(100, 4), (4, 5): _tree(200, 6), (3, 4, 5): _tree(300, 8), (9, 9): _tree(400, 2)}
+
+
+@pytest.fixture()
+def store(db_dsn: str) -> Store:
+    publish(db_dsn, "demo", ROWS)
+    handle = Store.connect(db_dsn, "demo", timeout=2.0)
+    yield handle
+    handle.close()
+
+
+@pytest.mark.parametrize(
+    ("context", "n", "first"),
+    [([1, 2, 3, 4, 5], 3, 300), ([7, 4, 5], 2, 200), ([8, 5], 1, 100), ([3, 9, 9], 2, 400), ([5], 1, 100)],
+    ids=["longest-3", "longest-2", "only-1", "other-2", "short-context"],
+)
+def test_draft_returns_longest_stored_suffix(store: Store, context: list[int], n: int, first: int) -> None:
+    draft = store.draft(context)
+    assert draft is not None
+    assert draft.n == n
+    assert int(draft.tokens[0]) == first
+
+
+@pytest.mark.parametrize("context", [[1, 2, 6], [], [VOCAB + 5], [-1]], ids=["unknown", "empty", "oov", "negative"])
+def test_draft_misses(store: Store, context: list[int]) -> None:
+    assert store.draft(context) is None
+
+
+def test_max_nodes_is_a_prefix_slice(store: Store) -> None:
+    full = store.draft([3, 4, 5])
+    cut = store.draft([3, 4, 5], max_nodes=3)
+    assert full is not None and cut is not None
+    assert cut.tokens.tolist() == full.tokens[:3].tolist()
+    assert len(full) == 8
+
+
+def test_cache_hits_and_can_be_disabled(db_dsn: str, store: Store) -> None:
+    store.draft([3, 4, 5])
+    store.draft([0, 3, 4, 5])  # same last max_n tokens
+    assert store.stats["hits"] == 1
+    with Store.connect(db_dsn, "demo", cache_size=0, timeout=2.0) as nocache:
+        nocache.draft([3, 4, 5])
+        nocache.draft([3, 4, 5])
+        assert nocache.stats["hits"] == 0
+
+
+def test_cache_is_bounded(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with Store.connect(db_dsn, "demo", cache_size=2, timeout=2.0) as handle:
+        for ctx in ([5], [4, 5], [3, 4, 5], [9, 9]):
+            handle.draft(ctx)
+        assert len(handle._cache) == 2
+
+
+def test_draft_many_matches_draft(store: Store) -> None:
+    contexts = [[1, 2, 3, 4, 5], [8, 5], [1, 2, 6], [3, 9, 9]]
+    many = store.draft_many(contexts)
+    store.clear_cache()
+    one = [store.draft(c) for c in contexts]
+    assert [d.tokens.tolist() if d else None for d in many] == [d.tokens.tolist() if d else None for d in one]
+
+
+def test_wrong_fingerprint_is_a_clear_error(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with pytest.raises(FingerprintMismatch, match="another tokenizer"):
+        Store.connect(db_dsn, "demo", tokenizer_fingerprint="fp-other")
+
+
+def test_unknown_store_and_bad_name(db_dsn: str) -> None:
+    with pytest.raises(StoreNotFound, match="nope"):
+        Store.connect(db_dsn, "nope")
+    with pytest.raises(InvalidName):
+        Store.connect(db_dsn, "x; DROP TABLE crest_stores")
+
+
+def test_reader_follows_a_republished_version(db_dsn: str, store: Store) -> None:
+    assert store.draft([8, 5]) is not None
+    publish(db_dsn, "demo", {(8, 5): _tree(500, 3)})
+    draft = store.draft([7, 8, 5])  # a miss in the cache, served by the new version
+    assert draft is not None and int(draft.tokens[0]) == 500
+    assert store.draft([3, 4, 5]) is None  # the cache of the old version was dropped
+
+
+def test_republish_leaves_one_published_version_and_drops_old_tables(db_dsn: str) -> None:
+    first = publish(db_dsn, "demo", ROWS)
+    second = publish(db_dsn, "demo", ROWS)
+    with db.session(db_dsn) as conn:
+        db.clean_leftovers(conn)
+        states = conn.execute("SELECT id, state FROM crest_stores ORDER BY id").fetchall()
+        tables = conn.execute(
+            "SELECT to_regclass(%s), to_regclass(%s)", (f"crest_ngrams_s{first}", f"crest_ngrams_s{second}")
+        ).fetchone()
+    assert states == [(second, "published")]
+    assert tables is not None and tables[0] is None and tables[1] is not None
+
+
+def test_corrupt_tree_is_a_miss_and_logged_once(db_dsn: str, store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE crest_ngrams SET tree = '\\x0102030405'::bytea WHERE n = 3")
+    assert store.draft([3, 4, 5]) is None
+    store.clear_cache()
+    assert store.draft([3, 4, 5]) is None
+    assert sum("corrupt tree" in r.message for r in caplog.records) == 1
+    assert store.draft([8, 5]) is not None
+
+
+def test_killed_build_is_cleaned_and_previous_version_kept(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    build = db.begin_build(
+        db_dsn, "demo", fingerprint="fp-a", tokenizer="t", vocab_size=VOCAB, token_width=2, params={}
+    )
+    build.copy_ngrams([(_key((1,)), 1, 1, _tree(1, 2))])
+    build.conn.close()  # the builder dies: its liveness lock goes with its session
+    with Store.connect(db_dsn, "demo", timeout=2.0) as handle:
+        assert handle.draft([3, 4, 5]) is not None
+    with db.session(db_dsn) as conn:
+        removed = db.clean_leftovers(conn)
+        left = conn.execute("SELECT count(*) FROM crest_stores").fetchone()
+    assert removed == [build.store_id]
+    assert left == (1,)
+
+
+def test_live_build_is_not_cleaned(db_dsn: str) -> None:
+    build = db.begin_build(
+        db_dsn, "demo", fingerprint="fp-a", tokenizer="t", vocab_size=VOCAB, token_width=2, params={}
+    )
+    try:
+        with db.session(db_dsn) as conn:
+            assert db.clean_leftovers(conn) == []
+    finally:
+        build.close()
