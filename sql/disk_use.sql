@@ -1,0 +1,15 @@
+-- Disk use of every store version: n-gram table, its hash index, the vocabulary, and bytes per stored n-gram.
+-- Usage: psql "$CREST_DATABASE_URL" -f sql/disk_use.sql
+SELECT s.name AS store,
+       s.id AS version,
+       s.state,
+       c.reltuples::bigint AS ngrams_estimate,
+       pg_table_size(c.oid) AS table_bytes,
+       pg_indexes_size(c.oid) AS index_bytes,
+       coalesce(pg_total_relation_size(to_regclass('crest_vocab_s' || s.id)), 0) AS vocab_bytes,
+       pg_size_pretty(pg_total_relation_size(c.oid)) AS ngrams_total,
+       round(pg_total_relation_size(c.oid)::numeric
+             / nullif((SELECT count(*) FROM crest_ngrams AS g WHERE g.store_id = s.id), 0), 1) AS bytes_per_ngram
+FROM crest_stores AS s
+JOIN pg_class AS c ON c.oid = to_regclass('crest_ngrams_s' || s.id)
+ORDER BY s.name, s.id;
