@@ -119,12 +119,27 @@ def test_unknown_store_and_bad_name(db_dsn: str) -> None:
         Store.connect(db_dsn, "x; DROP TABLE crest_stores")
 
 
-def test_reader_follows_a_republished_version(db_dsn: str, store: Store) -> None:
-    assert store.draft([8, 5]) is not None
-    publish(db_dsn, "demo", {(8, 5): _tree(500, 3)})
-    draft = store.draft([7, 8, 5])  # a miss in the cache, served by the new version
-    assert draft is not None and int(draft.tokens[0]) == 500
-    assert store.draft([3, 4, 5]) is None  # the cache of the old version was dropped
+@pytest.mark.parametrize("how", ["refresh-interval", "old-version-dropped"])
+def test_reader_follows_a_republished_version(db_dsn: str, how: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    interval = 0.0 if how == "refresh-interval" else 3600.0
+    with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=interval) as store:
+        assert store.draft([8, 5]) is not None
+        publish(db_dsn, "demo", {(8, 5): _tree(500, 3)})
+        if how == "old-version-dropped":
+            with db.session(db_dsn) as conn:
+                db.clean_leftovers(conn)
+        draft = store.draft([7, 8, 5])  # a cache miss, served by the new version
+        assert draft is not None and int(draft.tokens[0]) == 500
+        assert store.draft([3, 4, 5]) is None  # the old version's cached entries were dropped
+
+
+def test_reader_stays_on_its_version_until_refresh(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=3600.0) as store:
+        publish(db_dsn, "demo", {(8, 5): _tree(500, 3)})
+        draft = store.draft([7, 8, 5])
+        assert draft is not None and int(draft.tokens[0]) == 100  # still the complete old version
 
 
 def test_republish_leaves_one_published_version_and_drops_old_tables(db_dsn: str) -> None:

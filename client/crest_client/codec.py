@@ -24,6 +24,7 @@ _HEADER = struct.Struct("<BBH")
 _WIDTHS = (1, 2, 4, 8)
 _DTYPES = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
 _LZ4 = 0x01
+_ARANGE = np.arange(MAX_NODES + 1, dtype=np.int32)
 
 
 def width_code(max_value: int) -> int:
@@ -69,7 +70,7 @@ def encode_tree(
 
 def decode_tree(blob: bytes | memoryview, *, n: int = 0) -> Draft:
     """Decode a blob into a `Draft`; raise `CodecError` when it is malformed."""
-    data = bytes(blob)
+    data = blob if isinstance(blob, bytes) else bytes(blob)
     if len(data) < _HEADER.size:
         raise CodecError(f"tree blob of {len(data)} bytes is shorter than its header")
     version, flags, count = _HEADER.unpack_from(data)
@@ -93,10 +94,10 @@ def decode_tree(blob: bytes | memoryview, *, n: int = 0) -> Draft:
     parents = np.frombuffer(payload, pdt, count, t_end).astype(np.int32) - 1
     weights = np.frombuffer(payload, wdt, count, p_end).astype(np.int64)
     if count:
-        if np.any(parents >= np.arange(count, dtype=np.int32)):
+        if (parents >= _ARANGE[:count]).any():
             raise CodecError("tree blob has a node before its parent")
         if wdt.itemsize == 8 and int(weights.min()) < 0:
             raise CodecError("tree blob has a weight out of range")
-        if np.any(weights[1:] > weights[:-1]):
+        if (weights[1:] > weights[:-1]).any():
             raise CodecError("tree blob's weights increase along the node order")
     return Draft(tokens, parents, weights, n)

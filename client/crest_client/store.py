@@ -1,8 +1,11 @@
 """`Store`: the SDK's handle on one published crest store.
 
 `draft(context_ids)` builds the keys of every suffix of the context up to the store's max n and asks
-PostgreSQL for the longest one that is stored, in one prepared statement on the hash index; the tree
-blob is decoded into a `Draft`. Results are kept in a bounded LRU cache keyed by the last max-n tokens.
+PostgreSQL for the longest one that is stored, in one prepared statement: a UNION ALL of single-key probes
+of the published version's partition, longest first, under LIMIT 1, so the server stops at the first hit
+(each probe is an O(1) hash-index scan). The tree blob is decoded into a `Draft`. The handle re-reads
+which version is published every `refresh_interval` seconds and whenever its partition is gone, so
+readers move to a new version once it is published, and never see a mix of two. Results are kept in a bounded LRU cache keyed by the last max-n tokens.
 Connections come from a psycopg pool, so one `Store` is safe to share between threads. Failures of the
 database (down, slow, restarting) and corrupt rows make `draft()` return None: generation goes on.
 """
@@ -13,6 +16,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,19 +39,19 @@ from crest_client.errors import (
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-_DTYPES = {1: np.dtype(">u1"), 2: np.dtype(">u2"), 4: np.dtype(">u4")}
 
 INFO_SQL = (
     "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params, tokenizer FROM crest_stores"
     " WHERE name = %s AND state = 'published'"
 )
-# One round trip: resolve the published version and fetch the longest matching suffix on the hash index.
-LOOKUP_SQL = (
-    "SELECT s.id, g.n, g.tree FROM crest_stores s LEFT JOIN LATERAL ("
-    " SELECT n, tree FROM crest_ngrams g WHERE g.store_id = s.id AND g.key = ANY(%s)"
-    " ORDER BY g.n DESC LIMIT 1) g ON true"
-    " WHERE s.name = %s AND s.state = 'published'"
-)
+
+
+def lookup_sql(store_id: int, max_n: int) -> str:
+    """Return the one-round-trip lookup for a store version: probes of n = max_n..1, first hit wins."""
+    probes = [
+        f"(SELECT {n}::int2 AS n, tree FROM crest_ngrams_s{int(store_id)} WHERE key = %s)" for n in range(max_n, 0, -1)
+    ]
+    return " UNION ALL ".join(probes) + " LIMIT 1"
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Store:
         tokenizer_fingerprint: str | None = None,
         cache_size: int = 4096,
         timeout: float = 0.01,
+        refresh_interval: float = 1.0,
     ) -> None:
         self._pool = pool
         self.info = info
@@ -84,7 +89,9 @@ class Store:
         self._cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()
         self._lock = threading.Lock()
         self._timeout = float(timeout)
-        self._dtype = _DTYPES[info.token_width]
+        self._refresh_interval = float(refresh_interval)
+        self._checked = time.monotonic()
+        self._set_info(info)
         self._warned: set[str] = set()
         self.stats = {"lookups": 0, "hits": 0, "errors": 0}
 
@@ -97,6 +104,7 @@ class Store:
         tokenizer_fingerprint: str | None = None,
         cache_size: int = 4096,
         timeout: float = 0.01,
+        refresh_interval: float = 1.0,
         pool_size: int = 4,
         connect_timeout: float = 10.0,
     ) -> Store:
@@ -141,16 +149,24 @@ class Store:
                 f"store {name!r} was built with another tokenizer (fingerprint {info.fingerprint[:12]}...) "
                 f"than yours ({tokenizer_fingerprint[:12]}...)"
             )
-        return cls(pool, info, tokenizer_fingerprint=tokenizer_fingerprint, cache_size=cache_size, timeout=timeout)
+        return cls(
+            pool,
+            info,
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            cache_size=cache_size,
+            timeout=timeout,
+            refresh_interval=refresh_interval,
+        )
 
-    def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Return the keys of the context's suffixes, shortest first."""
-        tail = np.asarray(context_ids[-self.info.max_n :], dtype=np.int64)
-        if tail.size and (tail.min() < 0 or tail.max() >= self.info.vocab_size):
+    def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes | None]:
+        """Return the keys of the context's suffixes, longest (max n) first; None where too short."""
+        info = self.info
+        tail = [int(t) for t in context_ids[-info.max_n :]]
+        if any(t < 0 or t >= info.vocab_size for t in tail):
             return []
-        raw = tail.astype(self._dtype).tobytes()
-        w = self.info.token_width
-        return [raw[len(raw) - k * w :] for k in range(1, tail.size + 1)]
+        w = info.token_width
+        raw = b"".join(t.to_bytes(w, "big") for t in tail)
+        return [raw[len(raw) - k * w :] if k <= len(tail) else None for k in range(info.max_n, 0, -1)]
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
         """Return the tree of the longest stored suffix of the context, or None."""
@@ -191,18 +207,16 @@ class Store:
             return out
         try:
             with self._pool.connection(timeout=self._timeout) as conn, conn.pipeline():
-                cursors = [
-                    conn.execute(LOOKUP_SQL, (self.keys(tail), self.name), prepare=True, binary=True)
-                    for _, tail in todo
-                ]
+                cursors = [conn.execute(self._sql, self.keys(tail), prepare=True, binary=True) for _, tail in todo]
                 rows = [cur.fetchone() for cur in cursors]
+        except psycopg.errors.UndefinedTable:
+            self._switch_version()
+            return out
         except (psycopg.Error, PoolTimeout) as exc:
             self._note_failure(exc)
             return out
-        for (i, tail), row in zip(todo, rows, strict=False):
+        for (i, tail), row in zip(todo, rows, strict=True):
             draft = self._to_draft(row)
-            if draft is _FAILED or draft is _SWITCHED:
-                continue
             if self._cache_size:
                 with self._lock:
                     self._cache[tail] = draft
@@ -227,29 +241,29 @@ class Store:
         self.close()
 
     def _lookup(self, tail: tuple[int, ...]) -> Any:
-        for _ in range(2):  # a second try follows a version published since the keys were made
+        if time.monotonic() - self._checked > self._refresh_interval:
+            self._switch_version()
+        for _ in range(2):  # a second try after the version we knew was dropped
             keys = self.keys(tail)
             if not keys:
                 return None
             try:
                 with self._pool.connection(timeout=self._timeout) as conn:
-                    row = conn.execute(LOOKUP_SQL, (keys, self.name), prepare=True, binary=True).fetchone()
+                    row = conn.execute(self._sql, keys, prepare=True, binary=True).fetchone()
+            except psycopg.errors.UndefinedTable:
+                if not self._switch_version():
+                    return _FAILED
+                continue
             except (psycopg.Error, PoolTimeout) as exc:
                 self._note_failure(exc)
                 return _FAILED
-            result = self._to_draft(row)
-            if result is not _SWITCHED:
-                return result
+            return self._to_draft(row)
         return _FAILED
 
-    def _to_draft(self, row: Any) -> Any:
+    def _to_draft(self, row: Any) -> Draft | None:
         if row is None:
             return None
-        store_id, n, tree = row
-        if store_id != self.info.id:
-            return _SWITCHED if self._switch_version() else _FAILED
-        if tree is None:
-            return None
+        n, tree = row
         try:
             return decode_tree(tree, n=int(n))
         except CodecError as exc:
@@ -257,8 +271,13 @@ class Store:
             self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {exc}")
             return None
 
+    def _set_info(self, info: StoreInfo) -> None:
+        self.info = info
+        self._sql = lookup_sql(info.id, info.max_n)
+
     def _switch_version(self) -> bool:
-        """Follow a newly published version: re-read its info and drop the cache."""
+        """Re-read which version is published; on a change, follow it and drop the cache."""
+        self._checked = time.monotonic()
         try:
             info = _read_info(self._pool, self.name)
         except Exception as exc:  # store dropped or database gone: keep serving misses
@@ -267,10 +286,10 @@ class Store:
         if self._fingerprint is not None and info.fingerprint != self._fingerprint:
             self._warn_once("fingerprint", f"store {self.name!r} was republished with another tokenizer")
             return False
-        with self._lock:
-            self.info = info
-            self._dtype = _DTYPES[info.token_width]
-            self._cache.clear()
+        if info.id != self.info.id:
+            with self._lock:
+                self._set_info(info)
+                self._cache.clear()
         return True
 
     def _note_failure(self, exc: BaseException) -> None:
@@ -285,7 +304,6 @@ class Store:
 
 _MISSING: Any = object()
 _FAILED: Any = object()
-_SWITCHED: Any = object()
 
 
 def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
