@@ -7,6 +7,7 @@ test so tests never see each other's stores.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 import warnings
@@ -50,6 +51,7 @@ def pg_server() -> Iterator[str]:
         yield str(server.get_uri(database="postgres"))
     finally:
         server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _with_dbname(dsn: str, dbname: str) -> str:
