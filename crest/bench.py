@@ -113,8 +113,3 @@ def bench_lookup(dsn: str, store: str, *, samples: int = 2000, max_nodes: int = 
         hit_p99_us=_pct(hits, 99) * us,
         hit_rate_of_contexts=found / max(1, len(contexts)),
     )
-
-
-def figures_table(figures: dict[str, Any]) -> list[tuple[str, str]]:
-    """Return (label, value) rows for printing."""
-    return [(k, f"{v:,.2f}" if isinstance(v, float) else str(v)) for k, v in figures.items()]

@@ -16,7 +16,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split
 db_app = typer.Typer(no_args_is_help=True, help="Manage the database schema.")
 server_app = typer.Typer(no_args_is_help=True, help="Manage the embedded default PostgreSQL server.")
 app.add_typer(db_app, name="db")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(server_app, name="server")
+app.add_typer(bench_app, name="bench")
 
 Dsn = Annotated[
     str | None,
@@ -154,6 +156,24 @@ def server_stop() -> None:
     from crest_client.embedded import stop_embedded
 
     typer.echo("stopped" if stop_embedded() else "not running")
+
+
+@bench_app.command("lookup")
+def bench_lookup(
+    store: StoreName,
+    samples: Annotated[int, typer.Option(help="Contexts to look up.")] = 2000,
+    max_nodes: Annotated[int, typer.Option(help="Tree nodes per draft.")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Time draft() cache misses side by side with a bare prepared lookup, and cache hits."""
+    from crest.bench import bench_lookup as run
+    from crest.config import check_store_name, resolve_dsn
+    from crest.display import print_figures
+
+    check_store_name(store)
+    figures = run(resolve_dsn(dsn), store, samples=samples, max_nodes=max_nodes)
+    print_figures("lookup latency (microseconds)", figures.__dict__, as_json=as_json)
 
 
 def main() -> None:

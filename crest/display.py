@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from crest_client.draft import Draft
 from rich.console import Console
@@ -19,8 +19,10 @@ from rich.progress import (
 from rich.table import Table
 from rich.tree import Tree
 
-from crest.ingest import Advance, IngestSummary
+if TYPE_CHECKING:
+    from crest.ingest import IngestSummary
 
+Advance = Callable[[int], None]
 console = Console(stderr=True)
 out = Console()
 
@@ -148,4 +150,15 @@ def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False) -> None:
             f"{size / kept:.0f}" if kept else "-",
             str(row["published_at"] or "")[:19],
         )
+    out.print(table)
+
+
+def print_figures(title: str, figures: dict[str, Any], *, as_json: bool = False) -> None:
+    """Print a flat dict of benchmark figures as a table or JSON."""
+    if as_json:
+        out.print_json(json.dumps(figures, default=str))
+        return
+    table = Table(title=title, show_header=False)
+    for key, value in figures.items():
+        table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else str(value))
     out.print(table)

