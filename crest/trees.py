@@ -5,7 +5,7 @@ For each n-gram: find its occurrences (one scan of the corpus in chunks; when it
 sample that does not depend on chunking), take the `continuation_length` tokens after each occurrence
 (clipped at the document end), build the trie of these continuations level by level with `np.unique`
 (a node's weight is the number of continuations through it), and keep the `tree_size` heaviest nodes
-ordered by (weight desc, depth asc, token asc). Because a parent weighs at least as much as its child
+ordered by (weight desc, depth asc, token asc, parent's position asc). Because a parent weighs at least as much as its child
 and is shallower, every parent precedes its children, so any prefix of the list is a subtree.
 """
 
@@ -166,6 +166,8 @@ def _trie_batch(
     node_token: list[np.ndarray] = []
     node_weight: list[np.ndarray] = []
     node_depth: list[np.ndarray] = []
+    node_rank: list[np.ndarray] = []  # rank within its level by (tree, weight desc, token, parent's rank)
+    prev_rank = np.zeros(0, dtype=np.int64)
     parent_of = np.full(cont_start.shape[0], -1, dtype=np.int64)  # [M] node id of each continuation so far
     alive = np.ones(cont_start.shape[0], dtype=bool)
     next_id = 0
@@ -185,7 +187,15 @@ def _trie_batch(
         owner_u = uniq // vocab
         level_tree = np.empty(uniq.shape[0], dtype=np.int64)
         level_tree[inverse.ravel()] = tree[idx]  # every continuation through a node belongs to its tree
-        node_parent.append(np.where(owner_u >= trees, owner_u - trees, -1))
+        level_parent = np.where(owner_u >= trees, owner_u - trees, -1)
+        parent_rank = np.zeros(uniq.shape[0], dtype=np.int64)
+        if prev_rank.shape[0]:
+            parent_rank = prev_rank[np.maximum(level_parent - (next_id - prev_rank.shape[0]), 0)]
+        level_order = np.lexsort((parent_rank, uniq % vocab, -weight, level_tree))
+        prev_rank = np.empty(uniq.shape[0], dtype=np.int64)
+        prev_rank[level_order] = np.arange(uniq.shape[0])
+        node_rank.append(prev_rank)
+        node_parent.append(level_parent)
         node_tree.append(level_tree)
         node_token.append(uniq % vocab)
         node_weight.append(weight.astype(np.int64))
@@ -208,8 +218,9 @@ def _trie_batch(
     weight = np.concatenate(node_weight)
     depth_all = np.concatenate(node_depth)
     owner_tree = np.concatenate(node_tree)
+    level_rank = np.concatenate(node_rank)
     heavy = np.flatnonzero(weight >= floor[owner_tree])
-    order = heavy[_node_order(owner_tree[heavy], weight[heavy], depth_all[heavy], token[heavy], vocab)]
+    order = heavy[_node_order(owner_tree[heavy], weight[heavy], depth_all[heavy], level_rank[heavy])]
     keep = order[_first_per_group(owner_tree[order], tree_size)]
     local = np.full(next_id, -1, dtype=np.int64)
     counts = np.bincount(owner_tree[keep], minlength=trees)
@@ -227,18 +238,13 @@ def _trie_batch(
     )
 
 
-def _node_order(tree: np.ndarray, weight: np.ndarray, depth: np.ndarray, token: np.ndarray, vocab: int) -> np.ndarray:
-    """Return the node order (tree asc, weight desc, depth asc, token asc) with one integer sort when it fits."""
+def _node_order(tree: np.ndarray, weight: np.ndarray, depth: np.ndarray, level_rank: np.ndarray) -> np.ndarray:
+    """Return the node order (tree, weight desc, depth, rank within the level) with one integer sort when it fits."""
     wmax = int(weight.max())
-    widths = [
-        max(1, int(tree.max()).bit_length()),
-        wmax.bit_length(),
-        int(depth.max()).bit_length(),
-        (vocab - 1).bit_length(),
-    ]
+    widths = [int(x.max()).bit_length() for x in (tree, weight, depth, level_rank)]
     if sum(widths) > 63:
-        return np.lexsort((token, depth, -weight, tree))
+        return np.lexsort((level_rank, depth, -weight, tree))
     key = tree.astype(np.int64)
-    for part, bits in ((wmax - weight, widths[1]), (depth, widths[2]), (token, widths[3])):
+    for part, bits in ((wmax - weight, widths[1]), (depth, widths[2]), (level_rank, widths[3])):
         key = (key << bits) | part.astype(np.int64)
     return np.argsort(key)
