@@ -98,14 +98,14 @@ class Build:
     def copy_ngrams(self, rows: Iterable[tuple[bytes, int, int, bytes]]) -> int:
         """COPY (key, n, count, tree) rows into the version's table; return how many were written."""
         written = 0
-        query = sql.SQL("COPY {} (store_id, key, n, count, tree) FROM STDIN (FORMAT BINARY)").format(
+        query = sql.SQL("COPY {} (store_id, count, n, key, tree) FROM STDIN (FORMAT BINARY)").format(
             ngram_table(self.store_id)
         )
         with self.conn.transaction(), self.conn.cursor() as cur, cur.copy(query) as copy:
-            copy.set_types(["int4", "bytea", "int2", "int4", "bytea"])
+            copy.set_types(["int4", "int4", "int2", "bytea", "bytea"])
             sid = self.store_id
             for key, n, count, tree in rows:
-                copy.write_row((sid, key, n, count, tree))
+                copy.write_row((sid, count, n, key, tree))
                 written += 1
         return written
 
@@ -122,9 +122,11 @@ class Build:
     def finish_tables(self) -> None:
         """Index the loaded tables and add the constraints that make attaching them instant."""
         sid, ng, vt = self.store_id, ngram_table(self.store_id), vocab_table(self.store_id)
+        self.conn.execute(sql.SQL("ANALYZE {}").format(ng))  # sizes the hash index's buckets right
+        self.conn.commit()
         with self.conn.transaction():
             self.conn.execute(
-                sql.SQL("CREATE INDEX {} ON {} USING hash (key)").format(sql.Identifier(f"crest_ngrams_s{sid}_key"), ng)
+                sql.SQL("CREATE INDEX {} ON {} USING hash (key) WITH (fillfactor = 100)").format(sql.Identifier(f"crest_ngrams_s{sid}_key"), ng)
             )
             self.conn.execute(
                 sql.SQL("CREATE UNIQUE INDEX {} ON {} (store_id, token_id)").format(
@@ -139,8 +141,6 @@ class Build:
                         sql.Literal(sid),
                     )
                 )
-        self.conn.execute(sql.SQL("ANALYZE {}").format(ng))
-        self.conn.commit()
 
     def publish(self, figures: dict[str, Any]) -> None:
         """Attach the tables and make this version the published one, atomically."""

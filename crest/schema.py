@@ -43,9 +43,9 @@ ngrams = sa.Table(
     "crest_ngrams",
     metadata,
     sa.Column("store_id", sa.Integer, nullable=False),
-    sa.Column("key", sa.LargeBinary, nullable=False),  # the n token ids, big-endian, store.token_width bytes each
-    sa.Column("n", sa.SmallInteger, nullable=False),
     sa.Column("count", sa.Integer, nullable=False),  # occurrences in the corpus
+    sa.Column("n", sa.SmallInteger, nullable=False),
+    sa.Column("key", sa.LargeBinary, nullable=False),  # the n token ids, big-endian, store.token_width bytes each
     sa.Column("tree", sa.LargeBinary, nullable=False),  # crest_client.codec blob
     postgresql_partition_by="LIST (store_id)",
 )

@@ -1,8 +1,12 @@
 -- Distribution of tree sizes (nodes per stored n-gram) of every published store, per n.
--- The node count is read from the blob header (bytes 2-3, little-endian), so no decoding is needed.
+-- The node count is read from the blob header (byte 2, or bytes 2-3 little-endian when flag bit 7 is set),
+-- so no decoding is needed.
 -- Usage: psql "$CREST_DATABASE_URL" -f sql/tree_sizes.sql
 WITH sizes AS (
-    SELECT s.name, g.n, get_byte(g.tree, 2) + 256 * get_byte(g.tree, 3) AS nodes, length(g.tree) AS blob_bytes
+    SELECT s.name, g.n,
+           CASE WHEN get_byte(g.tree, 1) & 128 = 0 THEN get_byte(g.tree, 2)
+                ELSE get_byte(g.tree, 2) + 256 * get_byte(g.tree, 3) END AS nodes,
+           length(g.tree) AS blob_bytes
     FROM crest_stores AS s
     JOIN crest_ngrams AS g ON g.store_id = s.id
     WHERE s.state = 'published'

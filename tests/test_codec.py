@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 from crest_client.codec import decode_tree, encode_tree, token_width
@@ -18,10 +16,10 @@ def trees(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     size = draw(st.integers(0, 300))
     tokens = np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=size, max_size=size)), dtype=np.int64)
     parents = np.array([draw(st.integers(-1, i - 1)) for i in range(size)], dtype=np.int32)
-    top = draw(st.sampled_from([1, 200, 70000, 2**40]))
-    weights = np.sort(
-        np.array(draw(st.lists(st.integers(1, top), min_size=size, max_size=size)), dtype=np.int64)
-    )[::-1].copy()
+    top = draw(st.sampled_from([1, 200, 255, 256, 70000, 2**40]))
+    weights = np.sort(np.array(draw(st.lists(st.integers(1, top), min_size=size, max_size=size)), dtype=np.int64))[
+        ::-1
+    ].copy()
     return tokens, parents, weights, vocab
 
 
@@ -46,13 +44,11 @@ def test_token_width_is_narrowest(vocab: int, width: int) -> None:
     blob = encode_tree(
         tokens, np.arange(-1, 9, dtype=np.int32), np.ones(10, np.int64), vocab_size=vocab, compress=False
     )
-    assert len(blob) == 4 + 10 * width + 10 + 10
+    assert len(blob) == 3 + 10 * width + 10 + 10  # header: version, flags, u8 count
 
 
 def test_lz4_used_for_repetitive_payloads() -> None:
-    repetitive = encode_tree(
-        np.zeros(64, np.int64), np.arange(-1, 63), np.ones(64, np.int64), vocab_size=49152
-    )
+    repetitive = encode_tree(np.zeros(64, np.int64), np.arange(-1, 63), np.ones(64, np.int64), vocab_size=49152)
     assert repetitive[1] & 1 == 1
     assert len(repetitive) < 4 + 64 * 4
 
@@ -75,15 +71,28 @@ def _valid_blob() -> bytes:
     ("blob", "message"),
     [
         (b"", "shorter than its header"),
-        (b"\x01\x00", "shorter than its header"),
-        (struct.pack("<BBH", 9, 0, 0), "unknown format version 9"),
-        (struct.pack("<BBH", 1, 0x80, 0), "unknown flag"),
-        (struct.pack("<BBH", 1, 0, 5) + b"\x00" * 3, "expected 15"),
-        (struct.pack("<BBH", 1, 1, 5) + b"\xff\xff\xff", "lz4"),
-        (struct.pack("<BBH", 1, 0, 2) + bytes([1, 2, 2, 0, 5, 4]), "before its parent"),
-        (struct.pack("<BBH", 1, 0, 2) + bytes([1, 2, 0, 1, 4, 5]), "weights increase"),
+        (b"\x01", "shorter than its header"),
+        (bytes([1, 0x80, 5]), "shorter than its header"),
+        (bytes([9, 0, 0]), "unknown format version 9"),
+        (bytes([1, 0, 5, 0, 0, 0]), "expected 15"),
+        (bytes([1, 1, 5, 0xFF, 0xFF, 0xFF]), "lz4"),
+        (bytes([1, 0, 2, 1, 2, 2, 0, 5, 4]), "before its parent"),
+        (bytes([1, 0, 2, 1, 2, 0, 1, 4, 5]), "weights increase"),
+        (bytes([1, 1 << 5, 2, 1, 2, 0, 1, 3]), "more wide weights"),
+        (bytes([1, 1 << 5, 2, 1, 2, 0, 1]), "too short"),
     ],
-    ids=["empty", "short", "version", "flags", "truncated", "bad-lz4", "parent-order", "weights-order"],
+    ids=[
+        "empty",
+        "short",
+        "short-long-count",
+        "version",
+        "truncated",
+        "bad-lz4",
+        "parent-order",
+        "weights-order",
+        "wide-run",
+        "no-wide-run",
+    ],
 )
 def test_malformed_blobs_raise_codec_error(blob: bytes, message: str) -> None:
     with pytest.raises(CodecError, match=message):

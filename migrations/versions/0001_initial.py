@@ -46,9 +46,9 @@ def upgrade() -> None:
     op.create_table(
         "crest_ngrams",
         sa.Column("store_id", sa.Integer, nullable=False),
-        sa.Column("key", sa.LargeBinary, nullable=False),
-        sa.Column("n", sa.SmallInteger, nullable=False),
         sa.Column("count", sa.Integer, nullable=False),
+        sa.Column("n", sa.SmallInteger, nullable=False),
+        sa.Column("key", sa.LargeBinary, nullable=False),
         sa.Column("tree", sa.LargeBinary, nullable=False),
         postgresql_partition_by="LIST (store_id)",
     )
