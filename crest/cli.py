@@ -17,6 +17,8 @@ db_app = typer.Typer(no_args_is_help=True, help="Manage the database schema.")
 server_app = typer.Typer(no_args_is_help=True, help="Manage the embedded default PostgreSQL server.")
 app.add_typer(db_app, name="db")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
+rest_app = typer.Typer(no_args_is_help=True, help="The REST baseline's suffix-array index.")
+app.add_typer(rest_app, name="rest-index")
 app.add_typer(server_app, name="server")
 app.add_typer(bench_app, name="bench")
 
@@ -156,6 +158,74 @@ def server_stop() -> None:
     from crest_client.embedded import stop_embedded
 
     typer.echo("stopped" if stop_embedded() else "not running")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str | None, typer.Argument(help="Prompt text (or use --prompts).")] = None,
+    model: Annotated[
+        str, typer.Option("--model", "-m", envvar="CREST_MODEL", help="HF dir/name, .gguf or smollm2.")
+    ] = "smollm2",
+    store: Annotated[
+        str | None, typer.Option("--store", "-s", envvar="CREST_STORE", help="Store for crest drafters.")
+    ] = None,
+    drafter: Annotated[str, typer.Option(help="none, prompt, rest, crest or crest+prompt.")] = "crest+prompt",
+    rest_index: Annotated[str | None, typer.Option(help="REST index directory for --drafter rest.")] = None,
+    prompts: Annotated[str | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Top-k sampling (0 = off).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template.")] = False,
+    max_draft_tokens: Annotated[
+        int | None, typer.Option(help="Fixed draft size (default: fitted to the hardware).")
+    ] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    device: Annotated[str, typer.Option(envvar="CREST_DEVICE", help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16 or auto.")] = "float32",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per prompt.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Generate with tree-attention speculative decoding (greedy output equals plain decoding)."""
+    from crest.generation import run_generate
+
+    run_generate(
+        prompt=prompt,
+        prompts_file=prompts,
+        model=model,
+        store=store,
+        drafter=drafter,
+        rest_index=rest_index,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        chat=chat,
+        max_draft_tokens=max_draft_tokens,
+        stop=stop or [],
+        device=device,
+        dtype=dtype,
+        as_json=as_json,
+        dsn=dsn,
+    )
+
+
+@rest_app.command("build")
+def rest_build(
+    inputs: Annotated[list[str], typer.Argument(help="Files, directories or globs to read.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Index directory to write.")],
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", "-t", envvar="CREST_TOKENIZER", help="Tokenizer.")
+    ] = "smollm2",
+    fmt: Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")] = "auto",
+) -> None:
+    """Build the REST baseline's suffix array over a corpus and report its size."""
+    from crest.generation import build_rest_index
+
+    nbytes, tokens = build_rest_index(inputs, out=out, tokenizer=tokenizer, fmt=fmt)
+    typer.echo(f"REST index of {tokens:,} tokens written to {out} ({nbytes:,} bytes)")
 
 
 @bench_app.command("lookup")
