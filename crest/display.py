@@ -162,3 +162,13 @@ def print_figures(title: str, figures: dict[str, Any], *, as_json: bool = False)
     for key, value in figures.items():
         table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else str(value))
     out.print(table)
+
+
+def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    """Print a list of flat dicts as one table."""
+    table = Table(title=title)
+    for key in rows[0] if rows else []:
+        table.add_column(key, justify="right")
+    for row in rows:
+        table.add_row(*[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row.values()])
+    out.print(table)

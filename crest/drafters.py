@@ -26,7 +26,7 @@ NAMES = ("none", "prompt", "rest", "crest", "crest+prompt")
 
 def build_draft(continuations: Iterable[Sequence[int]], *, tree_size: int = 64, n: int = 0) -> Draft | None:
     """Build the weighted trie of continuations and keep its `tree_size` best nodes in prefix order."""
-    weight: dict[tuple[int, ...], int] = {}
+    weight: dict[tuple[int, ...], float] = {}
     for cont in continuations:
         path: tuple[int, ...] = ()
         for token in cont:

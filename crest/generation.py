@@ -32,7 +32,7 @@ def read_prompts(path: str) -> Iterator[str]:
             raise CorpusError(f"{path!r} line {number} is not valid JSON: {exc.msg}") from None
         text = record.get("prompt") or (record.get("turns") or [None])[0] or record.get("text")
         if not isinstance(text, str):
-            raise CorpusError(f"{path!r} line {number} has no \"prompt\" string")
+            raise CorpusError(f'{path!r} line {number} has no "prompt" string')
         yield text
 
 
@@ -94,10 +94,17 @@ def run_generate(
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
     for text in texts:
         ids = loaded.encode_prompt(text, chat=chat)
-        stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        stream = None if as_json else _write_now
         result = gen.generate(
-            ids, drafter=draft_source, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, on_text=stream,
+            ids,
+            drafter=draft_source,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            on_text=stream,
         )
         if as_json:
             payload = result.to_json()
@@ -109,6 +116,11 @@ def run_generate(
                 f"M = {result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s",
                 file=sys.stderr,
             )
+
+
+def _write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: str) -> tuple[int, int]:

@@ -66,4 +66,4 @@ def load_model(spec: str, *, device: str = "cpu", dtype: str = "float32") -> Loa
         except Exception as exc:
             raise ModelError(f"cannot load model {spec!r}: {str(exc).splitlines()[0][:300]}") from None
     check_supported(model)
-    return LoadedModel(model.to(device).eval(), tokenizer, spec)
+    return LoadedModel(model.to(device).eval(), tokenizer, spec)  # type: ignore[arg-type]

@@ -1,12 +1,12 @@
 """Bulk, vectorised construction of continuation trees for the selected n-grams.
 
 For each n-gram: find its occurrences (one scan of the corpus in chunks; when it occurs more than
-`max_matches` times, keep the occurrences with the smallest seeded hash of their position, a uniform
-sample that does not depend on chunking), take the `continuation_length` tokens after each occurrence
-(clipped at the document end), build the trie of these continuations level by level with `np.unique`
-(a node's weight is the number of continuations through it), and keep the `tree_size` heaviest nodes
-ordered by (weight desc, depth asc, token asc, parent's position asc). Because a parent weighs at least as much as its child
-and is shallower, every parent precedes its children, so any prefix of the list is a subtree.
+`max_matches` times, keep the occurrences with the smallest seeded hash of their position, a uniform sample
+that does not depend on chunking), take the `continuation_length` tokens after each occurrence (clipped at the
+document end), build the trie of these continuations level by level with `np.unique` (a node's weight is the
+number of continuations through it), and keep the `tree_size` heaviest nodes ordered by (weight desc, depth
+asc, token asc, parent's position asc). Because a parent weighs at least as much as its child and is
+shallower, every parent precedes its children, so any prefix of the list is a subtree.
 """
 
 from __future__ import annotations

@@ -31,8 +31,15 @@ def tiny_model(kind: str = "llama", *, seed: int = 0, vocab: int = 64, max_posit
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=max_positions, eos_token_id=vocab - 1, bos_token_id=0,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
     )
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -44,7 +44,9 @@ def corpus(tmp_path: Path) -> Path:
 
 def run_cli(*args: str, dsn: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CREST_DATABASE_URL": dsn}
-    return subprocess.run([sys.executable, "-m", "crest.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "crest.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:
@@ -91,8 +93,18 @@ def test_reingest_replaces_and_budget_limits_size(db_dsn: str, corpus: Path, ggu
 BAD = [
     ("empty-corpus", lambda p: _write(p / "e.jsonl", ""), [], "no tokens|no document"),
     ("blank-docs", lambda p: _write(p / "b.jsonl", '{"text": "  "}\n'), [], "no tokens|no document"),
-    ("malformed-json", lambda p: _write(p / "m.json", '[{"conversations": [}]'), [], "not valid JSON|cut off|no tokens"),
-    ("bad-jsonl", lambda p: _write(p / "m.jsonl", '{"text": "a"}\n{oops}\n{"text": "b"}\n'), [], "line 2 is not valid JSON"),
+    (
+        "malformed-json",
+        lambda p: _write(p / "m.json", '[{"conversations": [}]'),
+        [],
+        "not valid JSON|cut off|no tokens",
+    ),
+    (
+        "bad-jsonl",
+        lambda p: _write(p / "m.jsonl", '{"text": "a"}\n{oops}\n{"text": "b"}\n'),
+        [],
+        "line 2 is not valid JSON",
+    ),
     ("invalid-utf8", lambda p: _write_bytes(p / "u.jsonl", b'{"text": "\xff\xfe"}\n'), [], "not valid UTF-8"),
     ("unknown-format", lambda p: _write(p / "a.txt", "hello"), ["--format", "xml"], "unknown format"),
     ("missing-file", lambda p: p / "missing.jsonl", [], "does not exist"),
@@ -101,7 +113,12 @@ BAD = [
     ("top-t-zero", lambda p: _write(p / "a.txt", "hello"), ["--top-t", "0"], "--top-t must be"),
     ("negative-budget", lambda p: _write(p / "a.txt", "hello"), ["--budget", "-5"], "size"),
     ("tiny-budget", lambda p: _write(p / "a.txt", "hello world " * 50), ["--budget", "10"], "budget is too small"),
-    ("bad-tokenizer", lambda p: _write(p / "a.txt", "hello"), ["--tokenizer", "/nonexistent/tok"], "cannot load tokenizer"),
+    (
+        "bad-tokenizer",
+        lambda p: _write(p / "a.txt", "hello"),
+        ["--tokenizer", "/nonexistent/tok"],
+        "cannot load tokenizer",
+    ),
 ]
 
 

@@ -42,7 +42,9 @@ def test_top_t_is_most_common_with_lexicographic_ties(corpus: tuple[list[list[in
         assert sel.counts.tolist() == [c for _, c in want]
 
 
-@pytest.mark.parametrize(("mode", "n", "lengths"), [("combined", None, [1, 2, 3]), ("single", 2, [2]), ("upto", 2, [1, 2])])
+@pytest.mark.parametrize(
+    ("mode", "n", "lengths"), [("combined", None, [1, 2, 3]), ("single", 2, [2]), ("upto", 2, [1, 2])]
+)
 def test_selection_modes(mode: str, n: int | None, lengths: list[int]) -> None:
     tokens, offsets = flatten([[1, 2, 3, 1, 2, 3]])
     counts = count_ngrams(tokens, offsets, max_n=3, vocab_size=4)

@@ -19,7 +19,9 @@ torch.set_num_threads(1)
 def plain_greedy(model: object, prompt: list[int], max_new: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, pad_token_id=0)  # type: ignore[attr-defined]
+        full = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, pad_token_id=0
+        )  # type: ignore[attr-defined]
     return full[0, len(prompt) :].tolist()
 
 
@@ -35,7 +37,7 @@ class OracleDrafter:
             return None
         truth = self.reference[done : done + int(self.rng.integers(0, 8))]
         if self.rng.random() < 0.3 and truth:
-            truth = truth[: -1] + [int(self.rng.integers(0, self.vocab))]  # a wrong last token
+            truth = truth[:-1] + [int(self.rng.integers(0, self.vocab))]  # a wrong last token
         tokens, parents = [], []
         for i, t in enumerate(truth):
             tokens.append(t)
@@ -73,7 +75,9 @@ def test_context_limit_and_eos(kind: str) -> None:
     prompt = list(range(1, 30))
     want = plain_greedy(model, prompt, 10)
     gen = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=16)
-    got = gen.generate(prompt, drafter=OracleDrafter(want + [0] * 20, len(prompt), np.random.default_rng(0), 64), max_new_tokens=10)
+    got = gen.generate(
+        prompt, drafter=OracleDrafter(want + [0] * 20, len(prompt), np.random.default_rng(0), 64), max_new_tokens=10
+    )
     assert got.output_token_ids == want[: len(got.output_token_ids)]
     assert len(prompt) + got.new_tokens <= 40
 
@@ -104,7 +108,9 @@ def test_failing_drafter_changes_nothing() -> None:
         def draft(self, context: list[int], max_nodes: int) -> Draft:
             raise ConnectionError("database down")
 
-    got = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=8).generate([1, 2], drafter=Broken(), max_new_tokens=12)
+    got = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=8).generate(
+        [1, 2], drafter=Broken(), max_new_tokens=12
+    )
     assert got.output_token_ids == want
 
 

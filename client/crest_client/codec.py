@@ -1,13 +1,13 @@
 """The tree blob format: how a draft token tree is stored in one `bytea` value.
 
-Version 1 layout: a header — version (u8), flags (u8), node count (u8, or u16 little-endian when flag bit
-7 is set) — then the payload: token ids and parent indices plus one (0 = child of the root), each a little-endian array in the
-narrowest unsigned width that holds its largest value, then the weights. Weights never increase along the
-node order, so when they need a wide width only a leading run does: the payload then holds that run's
-length (as wide as the node count), the run in the wide width, and the remaining weights as u8. Flag bits: 0 = payload is an lz4
-block (kept only when smaller), 1-2 = token width code, 3-4 = parent width code, 5-6 = weight width code
-(codes 0..3 mean 1, 2, 4, 8 bytes), 7 = the counts are u16. Decoding checks every field and raises `CodecError` on anything
-malformed, so a corrupted row can never crash a reader.
+Version 1 layout: a header — version (u8), flags (u8), node count (u8, or u16 little-endian when flag bit 7 is
+set) — then the payload: token ids and parent indices plus one (0 = child of the root), each a little-endian
+array in the narrowest unsigned width that holds its largest value, then the weights. Weights never increase
+along the node order, so when they need a wide width only a leading run does: the payload then holds that
+run's length (as wide as the node count), the run in the wide width, and the remaining weights as u8. Flag
+bits: 0 = payload is an lz4 block (kept only when smaller), 1-2 = token width code, 3-4 = parent width code,
+5-6 = weight width code (codes 0..3 mean 1, 2, 4, 8 bytes), 7 = the counts are u16. Decoding checks every
+field and raises `CodecError` on anything malformed, so a corrupted row can never crash a reader.
 """
 
 from __future__ import annotations
@@ -126,6 +126,6 @@ def decode_tree(blob: bytes | memoryview, *, n: int = 0) -> Draft:
             raise CodecError("tree blob has a node before its parent")
         if wdt.itemsize == 8 and int(weights.min()) < 0:
             raise CodecError("tree blob has a weight out of range")
-        if (weights[1:] > weights[:-1]).any():
+        if (np.diff(weights.astype(np.int64)) > 0).any():
             raise CodecError("tree blob's weights increase along the node order")
     return Draft(tokens, parents, weights, n)

@@ -1,13 +1,14 @@
 """`Store`: the SDK's handle on one published crest store.
 
 `draft(context_ids)` builds the keys of every suffix of the context up to the store's max n and asks
-PostgreSQL for the longest one that is stored, in one prepared statement: a UNION ALL of single-key probes
-of the published version's partition, longest first, under LIMIT 1, so the server stops at the first hit
-(each probe is an O(1) hash-index scan). The tree blob is decoded into a `Draft`. The handle re-reads
-which version is published every `refresh_interval` seconds and whenever its partition is gone, so
-readers move to a new version once it is published, and never see a mix of two. Results are kept in a bounded LRU cache keyed by the last max-n tokens.
-Connections come from a psycopg pool, so one `Store` is safe to share between threads. Failures of the
-database (down, slow, restarting) and corrupt rows make `draft()` return None: generation goes on.
+PostgreSQL for the longest one that is stored, in one prepared statement: a UNION ALL of single-key probes of
+the published version's partition, longest first, under LIMIT 1, so the server stops at the first hit (each
+probe is an O(1) hash-index scan). The tree blob is decoded into a `Draft`. The handle re-reads which version
+is published every `refresh_interval` seconds and whenever its partition is gone, so readers move to a new
+version once it is published, and never see a mix of two. Results are kept in a bounded LRU cache keyed by the
+last max-n tokens. Connections come from a psycopg pool, so one `Store` is safe to share between threads.
+Failures of the database (down, slow, restarting) and corrupt rows make `draft()` return None: generation goes
+on.
 """
 
 from __future__ import annotations
