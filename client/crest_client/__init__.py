@@ -13,7 +13,17 @@ from crest_client.errors import (
     InvalidName,
     StoreNotFound,
 )
-from crest_client.store import Store, StoreInfo
+
+
+
+def __getattr__(name: str) -> object:
+    """Import the database-backed parts lazily, so `crest_client.draft` needs no psycopg."""
+    if name in ("Store", "StoreInfo"):
+        from crest_client import store
+
+        return getattr(store, name)
+    raise AttributeError(name)
+
 
 __all__ = [
     "CodecError",
