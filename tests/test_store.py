@@ -190,3 +190,16 @@ def test_live_build_is_not_cleaned(db_dsn: str) -> None:
             assert db.clean_leftovers(conn) == []
     finally:
         build.close()
+
+
+def test_store_is_safe_to_share_between_threads(db_dsn: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    publish(db_dsn, "demo", ROWS)
+    with Store.connect(db_dsn, "demo", timeout=5.0, pool_size=3, cache_size=2) as store:
+        contexts = [[1, 2, 3, 4, 5], [8, 5], [3, 9, 9], [1, 2, 6]] * 50
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            results = list(pool.map(lambda c: store.draft(c), contexts))
+        firsts = [int(d.tokens[0]) if d is not None else None for d in results]
+        assert firsts == [300, 100, 400, None] * 50
+        assert store.stats["errors"] == 0
