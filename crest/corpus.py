@@ -28,7 +28,6 @@ from crest.errors import CorpusError
 
 FORMATS = ("auto", "sharegpt", "jsonl", "files")
 
-_CHUNK = 1 << 20
 _GLOB_CHARS = frozenset("*?[")
 _BOM = "\ufeff"
 _MAX_REASONS = 100
@@ -92,19 +91,21 @@ def iter_documents(
     piece_bytes: int = 8 << 20,
     max_documents: int | None = None,
     max_record_bytes: int = 256 << 20,
+    read_bytes: int = 1 << 20,
 ) -> Iterator[Document]:
     """Yield the non-empty documents of all inputs, in input order."""
     if fmt not in FORMATS:
         raise CorpusError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if piece_bytes < 1 or max_record_bytes < 1:
-        raise CorpusError("piece_bytes and max_record_bytes must be positive")
+    if min(piece_bytes, max_record_bytes, read_bytes) < 1:
+        raise CorpusError("piece_bytes, max_record_bytes and read_bytes must be positive")
     specs = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
     if not specs:
         raise CorpusError("no input given")
     rep = report if report is not None else CorpusReport()
     resolved = [list(_expand(os.fspath(spec), fmt)) for spec in specs]
     rep.inputs += len(specs)
-    return _generate(resolved, rep, piece_bytes=piece_bytes, limit=max_documents, max_record=max_record_bytes)
+    sizes = _Sizes(piece=piece_bytes, record=max_record_bytes, read=read_bytes)
+    return _generate(resolved, rep, sizes, limit=max_documents)
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -115,8 +116,17 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     return _detect(Path(spec))
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """Byte sizes bounding memory: streamed pieces, the largest JSON record, one read."""
+
+    piece: int
+    record: int
+    read: int
+
+
 def _generate(
-    resolved: list[list[tuple[Path, str]]], rep: CorpusReport, *, piece_bytes: int, limit: int | None, max_record: int
+    resolved: list[list[tuple[Path, str]]], rep: CorpusReport, sizes: _Sizes, *, limit: int | None
 ) -> Iterator[Document]:
     """Read the resolved files and yield their documents, counting empty ones."""
     found = empty = 0
@@ -124,11 +134,11 @@ def _generate(
         for path, kind in files:
             rep.files += 1
             if kind == "sharegpt":
-                docs: Iterator[Document] = _array_texts(path, rep, max_record)
+                docs: Iterator[Document] = _array_texts(path, rep, sizes)
             elif kind == "jsonl":
-                docs = _jsonl_texts(path, rep, max_record)
+                docs = _jsonl_texts(path, rep, sizes)
             else:
-                docs = _file_documents(path, rep, piece_bytes)
+                docs = _file_documents(path, rep, sizes)
             for doc in docs:
                 if isinstance(doc, str) and not doc.strip():
                     rep.empty_documents += 1
@@ -224,7 +234,7 @@ def _open(path: Path) -> IO[bytes]:
         raise CorpusError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
 
 
-def _raw_chunks(path: Path, rep: CorpusReport | None, size: int = _CHUNK) -> Iterator[bytes]:
+def _raw_chunks(path: Path, rep: CorpusReport | None, size: int) -> Iterator[bytes]:
     """Yield the bytes of a file in chunks, counting them in `rep`."""
     with _open(path) as handle:
         while True:
@@ -239,11 +249,14 @@ def _raw_chunks(path: Path, rep: CorpusReport | None, size: int = _CHUNK) -> Ite
             yield raw
 
 
-def _text_chunks(path: Path, rep: CorpusReport | None) -> Iterator[str]:
-    """Yield the text of a UTF-8 file in chunks (BOM removed); invalid UTF-8 raises UnicodeDecodeError."""
+def _text_chunks(path: Path, rep: CorpusReport | None, size: int, *, cut_tail_ok: bool = False) -> Iterator[str]:
+    """Yield the text of a UTF-8 file in chunks (BOM removed); invalid UTF-8 raises UnicodeDecodeError.
+
+    With `cut_tail_ok`, a character cut off by the end of the file is dropped instead (a truncated file).
+    """
     decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
     offset = 0
-    for raw in _raw_chunks(path, rep):
+    for raw in _raw_chunks(path, rep, size):
         try:
             text = decoder.decode(raw)
         except UnicodeDecodeError as exc:
@@ -254,7 +267,8 @@ def _text_chunks(path: Path, rep: CorpusReport | None) -> Iterator[str]:
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as exc:
-        raise _shifted(exc, offset) from None
+        if not (cut_tail_ok and exc.reason == "unexpected end of data"):
+            raise _shifted(exc, offset) from None
 
 
 def _shifted(exc: UnicodeDecodeError, offset: int) -> UnicodeDecodeError:
@@ -267,7 +281,7 @@ def _clean(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        return _SURROGATE.sub("\ufffd", text)
     return text
 
 
@@ -294,9 +308,9 @@ def _turn_texts(record: Any, path: Path, where: str, rep: CorpusReport) -> Itera
     rep.drop(f"{path.name} {where}: no 'text', 'conversations' or 'messages'")
 
 
-def _array_texts(path: Path, rep: CorpusReport, max_record: int) -> Iterator[str]:
+def _array_texts(path: Path, rep: CorpusReport, sizes: _Sizes) -> Iterator[str]:
     """Stream the records of a top-level JSON array; a truncated last record is dropped and reported."""
-    parser = _ArrayParser(path, rep, max_record)
+    parser = _ArrayParser(path, rep, sizes)
     for number, record in enumerate(parser, 1):
         yield from _turn_texts(record, path, f"record {number}", rep)
 
@@ -304,9 +318,9 @@ def _array_texts(path: Path, rep: CorpusReport, max_record: int) -> Iterator[str
 class _ArrayParser:
     """Incremental parser of a top-level JSON array: yields each element as it is complete."""
 
-    def __init__(self, path: Path, rep: CorpusReport, max_record: int) -> None:
-        self.path, self.rep, self.max_record = path, rep, max_record
-        self.chunks = _text_chunks(path, rep)
+    def __init__(self, path: Path, rep: CorpusReport, sizes: _Sizes) -> None:
+        self.path, self.rep, self.max_record = path, rep, sizes.record
+        self.chunks = _text_chunks(path, rep, sizes.read, cut_tail_ok=True)
         self.buf, self.pos = "", 0
         self.dropped_bytes = 0  # bytes of text already removed from the front of buf
         self.eof = False
@@ -360,7 +374,9 @@ class _ArrayParser:
                 nxt = self.skip_space()
             elif number and nxt:
                 where = self.byte_at(self.pos)
-                raise CorpusError(f"{name!r} is not valid JSON: expected ',' or ']' after record {number} (byte {where})")
+                raise CorpusError(
+                    f"{name!r} is not valid JSON: expected ',' or ']' after record {number} (byte {where})"
+                )
             if nxt == "":
                 self.rep.drop(f"{self.path.name}: array not closed after record {number} (truncated file)", 0)
                 return
@@ -398,6 +414,7 @@ class _ArrayParser:
 _TRUNCATED = object()
 _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
 _NUMBER_TAIL = re.compile(r"[-+.eE0-9]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _cut_short(text: str, exc: json.JSONDecodeError) -> bool:
@@ -410,11 +427,11 @@ def _cut_short(text: str, exc: json.JSONDecodeError) -> bool:
     return not rest or any(w.startswith(rest) for w in _LITERALS) or _NUMBER_TAIL.fullmatch(rest) is not None
 
 
-def _jsonl_texts(path: Path, rep: CorpusReport, max_record: int) -> Iterator[str]:
+def _jsonl_texts(path: Path, rep: CorpusReport, sizes: _Sizes) -> Iterator[str]:
     """Stream a JSONL file; a malformed line is an error, except a cut-off last line, which is reported."""
     number, offset, pending = 0, 0, b""
-    chunks = _raw_chunks(path, rep)
-    for raw in chunks:
+    max_record = sizes.record
+    for raw in _raw_chunks(path, rep, sizes.read):
         lines = (pending + raw).split(b"\n")
         pending = lines.pop()
         if len(pending) > max_record:
@@ -435,6 +452,9 @@ def _jsonl_line(line: bytes, path: Path, number: int, offset: int, rep: CorpusRe
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
+        if last and exc.reason == "unexpected end of data" and exc.end == len(line):
+            rep.drop(f"{path.name}: line {number} truncated at byte {offset} (file ends mid-record)")
+            return
         raise CorpusError(f"{str(path)!r} line {number} is not valid UTF-8 (byte {offset + exc.start})") from None
     if not text.strip():
         return
@@ -448,13 +468,13 @@ def _jsonl_line(line: bytes, path: Path, number: int, offset: int, rep: CorpusRe
     yield from _turn_texts(record, path, f"line {number}", rep)
 
 
-def _file_documents(path: Path, rep: CorpusReport, piece_bytes: int) -> Iterator[Document]:
+def _file_documents(path: Path, rep: CorpusReport, sizes: _Sizes) -> Iterator[Document]:
     """Yield one file as one document; a file that is not UTF-8 is skipped and counted."""
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise CorpusError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    if size <= piece_bytes:
+    if size <= sizes.piece:
         raw = b"".join(_raw_chunks(path, rep, size=max(size, 1)))
         try:
             text = raw.decode("utf-8-sig")
@@ -463,13 +483,13 @@ def _file_documents(path: Path, rep: CorpusReport, piece_bytes: int) -> Iterator
             return
         yield text
         return
-    bad, blank = _scan(path)
+    bad, blank = _scan(path, sizes.read)
     if bad is not None:
         _skip_file(path, bad, rep)
     elif blank:
         yield ""
     else:
-        yield StreamedDocument(path, _pieces(path, rep, piece_bytes))
+        yield StreamedDocument(path, _pieces(path, rep, sizes))
 
 
 def _skip_file(path: Path, byte: int, rep: CorpusReport) -> None:
@@ -477,25 +497,25 @@ def _skip_file(path: Path, byte: int, rep: CorpusReport) -> None:
     rep.drop(f"{path}: not UTF-8 text (byte {byte}), file skipped")
 
 
-def _scan(path: Path) -> tuple[int | None, bool]:
+def _scan(path: Path, size: int) -> tuple[int | None, bool]:
     """Check a large file without holding it: return (first invalid UTF-8 byte or None, whether blank)."""
     blank = True
     try:
-        for text in _text_chunks(path, None):
+        for text in _text_chunks(path, None, size):
             blank = blank and not text.strip()
     except UnicodeDecodeError as exc:
         return exc.start, blank
     return None, blank
 
 
-def _pieces(path: Path, rep: CorpusReport, piece_bytes: int) -> Iterator[str]:
-    """Yield pieces of at most `piece_bytes` characters, cut after a newline, else after a space, if any."""
+def _pieces(path: Path, rep: CorpusReport, sizes: _Sizes) -> Iterator[str]:
+    """Yield pieces of at most `sizes.piece` characters, cut after a newline, else after a space, if any."""
     pending = ""
     try:
-        for text in _text_chunks(path, rep):
+        for text in _text_chunks(path, rep, sizes.read):
             pending += text
-            while len(pending) >= piece_bytes:
-                cut = _cut(pending, piece_bytes)
+            while len(pending) >= sizes.piece:
+                cut = _cut(pending, sizes.piece)
                 yield pending[:cut]
                 pending = pending[cut:]
     except UnicodeDecodeError as exc:  # the file changed since it was scanned
