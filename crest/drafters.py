@@ -1,140 +1,332 @@
 """Drafters: everything that proposes a token tree for the verifier, behind one small protocol.
 
 `draft(context_ids, max_nodes) -> Draft | None`. `none` drafts nothing (plain decoding through the same
-loop), `prompt` matches the context's own suffix earlier in the request (prompt lookup decoding), `crest`
-asks a store through the SDK, `rest` searches the REST baseline's suffix array (`crest.rest`), and
-`crest+prompt` merges the store's tree and the prompt's tree into one, so a static store and the request
-itself draft together. Every returned tree keeps the prefix-order invariant of stored trees.
+loop); `prompt` matches the context's longest repeated suffix earlier in the request itself (prompt lookup
+decoding); `crest` asks a store through the SDK (`StoreDrafter`); `rest` searches the REST baseline's
+suffix array (`crest.rest`); `crest+prompt` merges the store's tree and the prompt's tree into one
+(`MergedDrafter`). Every returned tree keeps the order of stored trees: weight descending, then depth, then
+token id, then the parent's position, so parents precede children and `draft.truncate(k)` is the best
+subtree of k nodes. `build_draft` builds that tree from a set of continuations (REST's Algorithm 2).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from crest_client.draft import Draft
+import psycopg
+from crest_client.draft import Draft, empty_draft
 
-from crest.errors import ConfigError
-from crest.verify import Drafter
+from crest.errors import ConfigError, CrestClientError
 
 log = logging.getLogger(__name__)
 
 NAMES = ("none", "prompt", "rest", "crest", "crest+prompt")
+MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
+_STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # OSError covers socket errors and TimeoutError
 
 
-def build_draft(continuations: Iterable[Sequence[int]], *, tree_size: int = 64, n: int = 0) -> Draft | None:
-    """Build the weighted trie of continuations and keep its `tree_size` best nodes in prefix order."""
-    weight: dict[tuple[int, ...], float] = {}
-    for cont in continuations:
-        path: tuple[int, ...] = ()
-        for token in cont:
-            path = path + (int(token),)
-            weight[path] = weight.get(path, 0) + 1
-    return draft_from_weights(weight, tree_size=tree_size, n=n)
+@runtime_checkable
+class Drafter(Protocol):
+    """Anything that proposes a draft tree for a context."""
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None: ...
 
 
-def draft_from_weights(weight: dict[tuple[int, ...], float], *, tree_size: int, n: int) -> Draft | None:
-    """Order weighted paths (weight desc, depth, token, parent's position) and keep the first `tree_size`."""
-    if not weight or tree_size <= 0:
+def build_draft(
+    continuations: Sequence[Sequence[int] | np.ndarray] | np.ndarray, *, tree_size: int = 64, n: int = 0
+) -> Draft:
+    """Build the weighted trie of `continuations` and keep its `tree_size` heaviest nodes in prefix order.
+
+    `continuations` is a list of token sequences or a 2-D array padded with -1 (a row ends at its first
+    negative entry). A node's weight is the number of continuations starting with its path.
+    """
+    rows = _as_rows(continuations)
+    if rows.shape[0] == 0 or tree_size <= 0:
+        return empty_draft(n)
+    tokens, parents, weights, depth = _trie_nodes(rows, np.ones(rows.shape[0], dtype=np.int64))
+    return _select(tokens, parents, weights, depth, tree_size=tree_size, n=n)
+
+
+def _as_rows(continuations: Sequence[Sequence[int] | np.ndarray] | np.ndarray) -> np.ndarray:
+    """Return the continuations as a [M, L] int64 array padded with -1, empty rows dropped."""
+    if isinstance(continuations, np.ndarray) and continuations.ndim == 2:
+        rows = continuations.astype(np.int64, copy=True)
+        rows[np.cumsum(rows < 0, axis=1) > 0] = -1  # everything after a row's first pad is pad
+    else:
+        seqs = [np.asarray(c, dtype=np.int64).reshape(-1) for c in continuations]
+        lengths = np.array([s.shape[0] for s in seqs], dtype=np.int64)
+        rows = np.full((len(seqs), int(lengths.max(initial=0))), -1, dtype=np.int64)
+        if lengths.sum():
+            flat = np.concatenate(seqs)
+            if (flat < 0).any():
+                raise ValueError("continuations hold negative token ids")
+            cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            rows[np.repeat(np.arange(len(seqs)), lengths), cols] = flat
+    if rows.shape[1] == 0:
+        return rows[:0]
+    return rows[rows[:, 0] >= 0]
+
+
+def _sort_order(rows: np.ndarray) -> np.ndarray | None:
+    """Return the permutation putting rows in lexicographic order (pads first), None when they already are."""
+    if rows.shape[0] < 2:
         return None
-    rank: dict[tuple[int, ...], int] = {}
-    depth = 1
-    while True:
-        level = [p for p in weight if len(p) == depth]
-        if not level:
-            break
-        level.sort(key=lambda p: (-weight[p], p[-1], rank.get(p[:-1], 0)))
-        rank.update({p: i for i, p in enumerate(level)})
-        depth += 1
-    ordered = sorted(weight, key=lambda p: (-weight[p], len(p), rank[p]))[:tree_size]
-    index = {p: i for i, p in enumerate(ordered)}
-    tokens = np.array([p[-1] for p in ordered], dtype=np.int64)
-    parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ordered], dtype=np.int32)
-    weights = np.array([weight[p] for p in ordered])
-    return Draft(tokens, parents, np.round(weights).astype(np.int64), n)
+    diff = rows[1:] != rows[:-1]  # [M - 1, L]
+    first = diff.argmax(axis=1)
+    at = np.arange(first.shape[0])
+    if not (diff[at, first] & (rows[1:][at, first] < rows[:-1][at, first])).any():
+        return None  # REST's suffix-array ranges come sorted
+    packed = np.ascontiguousarray((rows + 1).astype(">u4"))  # big-endian bytes compare like the tokens
+    return np.argsort(packed.view(f"S{4 * rows.shape[1]}").ravel(), kind="stable")
+
+
+def _trie_nodes(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Return the trie of `rows` as (tokens, parents, weights, depth); weight = sum of counts through a node."""
+    order = _sort_order(rows)
+    if order is not None:
+        rows, counts = rows[order], counts[order]
+    size, width = rows.shape
+    first_diff = np.zeros(size, dtype=np.int64)  # first column where a row differs from the one before
+    if size > 1:
+        diff = rows[1:] != rows[:-1]
+        first_diff[1:] = np.where(diff.any(axis=1), diff.argmax(axis=1), width)
+    cols = np.arange(width)
+    starts = first_diff[:, None] <= cols  # [M, L] row opens a new prefix group of length col + 1
+    is_node = starts & (rows >= 0)
+    at = np.arange(size)[:, None]
+    group_start = np.maximum.accumulate(np.where(starts, at, 0), axis=0)  # [M, L]
+    next_start = np.minimum.accumulate(np.where(starts, at, size)[::-1], axis=0)[::-1]
+    group_end = np.vstack([next_start[1:], np.full((1, width), size)])  # [M, L] exclusive end row
+    node_col, node_row = np.nonzero(is_node.T)  # by depth, then row
+    ids = np.full((size, width), -1, dtype=np.int64)
+    ids[node_row, node_col] = np.arange(node_row.shape[0])
+    cum = np.concatenate(([0], np.cumsum(counts)))
+    weights = cum[group_end[node_row, node_col]] - cum[node_row]
+    parent_col = np.maximum(node_col - 1, 0)
+    parents = np.where(node_col > 0, ids[group_start[node_row, parent_col], parent_col], -1)
+    return rows[node_row, node_col], parents, weights, node_col + 1
+
+
+def _select(
+    tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, depth: np.ndarray, *, tree_size: int, n: int
+) -> Draft:
+    """Keep the `tree_size` first nodes in the order (weight desc, depth, token, parent's position)."""
+    size = tokens.shape[0]
+    if size == 0 or tree_size <= 0:
+        return empty_draft(n)
+    keep = np.arange(size)
+    if size > tree_size:  # a cheap cut on (weight desc, depth) before the exact order
+        coarse = -weights * (int(depth.max()) + 1) + depth
+        keep = np.flatnonzero(coarse <= np.partition(coarse, tree_size - 1)[tree_size - 1])
+    level_rank = np.zeros(size, dtype=np.int64)
+    for d in range(1, int(depth[keep].max()) + 1):
+        at = keep[depth[keep] == d]
+        parent_rank = np.where(parents[at] >= 0, level_rank[np.maximum(parents[at], 0)], -1)
+        level_rank[at[np.lexsort((parent_rank, tokens[at], -weights[at]))]] = np.arange(at.shape[0])
+    order = keep[np.lexsort((level_rank[keep], depth[keep], -weights[keep]))][:tree_size]
+    position = np.full(size, -1, dtype=np.int64)
+    position[order] = np.arange(order.shape[0])
+    new_parents = np.where(parents[order] >= 0, position[np.maximum(parents[order], 0)], -1)
+    return Draft(tokens[order].astype(np.int64), new_parents.astype(np.int32), weights[order].astype(np.int64), int(n))
+
+
+def merge_drafts(
+    drafts: Sequence[Draft | None], *, shares: Sequence[float] | None = None, tree_size: int = 64
+) -> Draft:
+    """Merge trees into one: a node's weight is the share-weighted sum of its acceptance estimates.
+
+    A tree's estimate for a node is its weight over the summed weights of the tree's root children (the
+    fraction of that tree's continuations through the node). Weights are made non-increasing down each
+    input first, so the merged weights are too; they are scaled by `MERGE_SCALE` and rounded.
+    """
+    shares = [1.0] * len(drafts) if shares is None else list(shares)
+    slot: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    mass: list[float] = []
+    n = 0
+    for draft, share in zip(drafts, shares, strict=True):
+        if draft is None or len(draft) == 0:
+            continue
+        n = max(n, draft.n)
+        weight = draft.weights.astype(np.float64).tolist()
+        local: list[int] = []
+        for i, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.parents.tolist(), strict=True)):
+            if parent >= 0:
+                weight[i] = min(weight[i], weight[parent])
+            up = local[parent] if parent >= 0 else -1
+            j = slot.setdefault((up, token), len(tokens))
+            if j == len(tokens):
+                tokens.append(token)
+                parents.append(up)
+                depth.append(depth[up] + 1 if up >= 0 else 1)
+                mass.append(0.0)
+            local.append(j)
+        total = sum(w for w, p in zip(weight, draft.parents.tolist(), strict=True) if p < 0) or 1.0
+        for i, j in enumerate(local):
+            mass[j] += share * weight[i] / total
+    weights = np.maximum(np.rint(np.array(mass) * MERGE_SCALE), 1).astype(np.int64)
+    return _select(
+        np.array(tokens, dtype=np.int64),
+        np.array(parents, dtype=np.int64),
+        weights,
+        np.array(depth, dtype=np.int64),
+        tree_size=tree_size,
+        n=n,
+    )
 
 
 class NoneDrafter:
     """Drafts nothing: plain decoding through the speculative loop."""
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return no draft."""
         return None
 
 
 class PromptDrafter:
-    """Prompt lookup: continuations after earlier occurrences of the context's longest repeated suffix."""
+    """Prompt lookup: continuations after the most recent earlier occurrences of the context's longest suffix.
 
-    def __init__(self, *, max_ngram: int = 8, min_ngram: int = 2, max_matches: int = 8, length: int = 10) -> None:
-        self.max_ngram, self.min_ngram, self.max_matches, self.length = max_ngram, min_ngram, max_matches, length
+    The longest suffix of n tokens (`max_ngram` down to `min_ngram`) that also ends earlier in the context
+    wins; the `continuation_length` tokens after each of its `max_matches` most recent occurrences form a
+    tree whose weights count the occurrences through each node. The context is kept in a growing buffer
+    reused while each call's context extends the previous one (the verifier's case), so a step costs one
+    vectorised comparison with the last token plus work on its earlier occurrences. Not thread-safe.
+    """
 
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        ctx = np.asarray(context_ids, dtype=np.int64)
+    def __init__(
+        self, *, max_ngram: int = 8, min_ngram: int = 2, max_matches: int = 8, continuation_length: int = 10
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram or max_matches < 1 or continuation_length < 1:
+            raise ConfigError("prompt lookup needs 1 <= min_ngram <= max_ngram, max_matches and length >= 1")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_matches, self.continuation_length = max_matches, continuation_length
+        self._seen: list[int] = []
+        self._buffer = np.zeros(1024, dtype=np.int64)
+
+    def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
+        """Return the tree of continuations after the longest repeated suffix, or None."""
+        ctx = self._sync(context_ids)  # [N]
         size = ctx.shape[0]
-        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[: size - 1], n)  # [size - n, n] earlier n-grams
-            hits = np.flatnonzero((windows == ctx[size - n :]).all(axis=1))
-            if hits.shape[0]:
-                recent = hits[::-1][: self.max_matches]  # the most recent matches first
-                conts = [ctx[h + n : h + n + self.length].tolist() for h in recent]
-                return build_draft((c for c in conts if c), tree_size=max_nodes, n=n)
-        return None
+        top = min(self.max_ngram, size - 1)
+        if top < self.min_ngram or max_nodes <= 0:
+            return None
+        ends = np.flatnonzero(ctx[: size - 1] == ctx[size - 1])  # earlier occurrences of the last token
+        length = np.ones(ends.shape[0], dtype=np.int64)  # matched suffix length at each occurrence
+        alive = np.ones(ends.shape[0], dtype=bool)
+        for k in range(1, top):
+            back = ends - k
+            alive &= (back >= 0) & (ctx[np.maximum(back, 0)] == ctx[size - 1 - k])
+            if not alive.any():
+                break
+            length += alive
+        best = int(length.max(initial=0))
+        if best < self.min_ngram:
+            return None
+        starts = ends[length >= best][::-1][: self.max_matches] + 1  # most recent first
+        at = starts[:, None] + np.arange(self.continuation_length)  # [M, L]
+        rows = np.where(at < size, ctx[np.minimum(at, size - 1)], -1)
+        tree = build_draft(rows, tree_size=max_nodes, n=best)
+        return tree if len(tree) else None
+
+    def _sync(self, context_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Return the context as an int64 array, reusing the buffer when it extends the last context."""
+        ids = context_ids if isinstance(context_ids, list) else np.asarray(context_ids).reshape(-1).tolist()
+        known = len(self._seen)
+        if len(ids) < known or ids[:known] != self._seen:
+            self._seen, known = [], 0
+        fresh = [int(t) for t in ids[known:]]
+        if fresh:
+            need = known + len(fresh)
+            if need > self._buffer.shape[0]:
+                grown = np.zeros(max(need, 2 * self._buffer.shape[0]), dtype=np.int64)
+                grown[:known] = self._buffer[:known]
+                self._buffer = grown
+            self._buffer[known:need] = fresh
+            self._seen.extend(fresh)
+        return self._buffer[: len(self._seen)]
 
 
 class StoreDrafter:
-    """Drafts from a crest store through the SDK; database errors give no draft for that step."""
+    """Drafts from a crest store through the SDK; store and database errors give no draft for that step."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._warned = False
+        self.failures = 0
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return the store's tree for the context (at most `max_nodes` nodes), or None."""
         try:
-            return self.store.draft(context_ids, max_nodes)
-        except Exception as exc:  # the SDK already maps database failures to None; this is a last guard
-            if not self._warned:
-                self._warned = True
-                log.warning("store draft failed (no draft this step): %s", exc)
+            tree = self.store.draft(context_ids, max_nodes=max_nodes)
+        except _STORE_ERRORS as exc:
+            self.failures += 1
+            level = logging.WARNING if self.failures == 1 else logging.DEBUG
+            log.log(level, "store draft failed, no draft this step (logged once): %s", exc)
             return None
+        if tree is None or len(tree) == 0 or max_nodes <= 0:
+            return None
+        return tree.truncate(max_nodes)
 
 
 class MergedDrafter:
-    """Merges two drafters' trees: each node's weight is the sum of its path probabilities in both trees."""
+    """Merges two drafters' trees (`merge_drafts`): summed acceptance estimates, re-sorted into prefix order.
 
-    def __init__(self, primary: Drafter, secondary: Drafter, *, scale: int = 1000) -> None:
-        self.primary, self.secondary, self.scale = primary, secondary, scale
+    Each tree's weights are divided by its root total, so a store tree built from a million continuations
+    and a prompt tree built from three matches count alike; `secondary_share` scales the second tree's
+    estimates. A part that raises is logged once and skipped, so the other part still drafts.
+    """
+
+    def __init__(self, primary: Drafter, secondary: Drafter, *, secondary_share: float = 1.0) -> None:
+        self.primary, self.secondary, self.secondary_share = primary, secondary, secondary_share
+        self._failed: set[int] = set()
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        merged: dict[tuple[int, ...], float] = {}
-        n = 0
-        for drafter in (self.primary, self.secondary):
-            tree = drafter.draft(context_ids, max_nodes)
-            if tree is None or len(tree) == 0:
-                continue
-            n = max(n, tree.n)
-            total = float(tree.weights[tree.parents < 0].sum()) or 1.0
-            for path, w in zip(tree.paths(), tree.weights.tolist(), strict=True):
-                key = tuple(path)
-                merged[key] = merged.get(key, 0.0) + self.scale * w / total
-        return draft_from_weights(merged, tree_size=max_nodes, n=n) if merged else None
+        """Return the merged tree of both drafters' trees, or None when neither drafts."""
+        trees = [
+            self._part(0, self.primary, context_ids, max_nodes),
+            self._part(1, self.secondary, context_ids, max_nodes),
+        ]
+        if max_nodes <= 0 or all(t is None or len(t) == 0 for t in trees):
+            return None
+        tree = merge_drafts(trees, shares=(1.0, self.secondary_share), tree_size=max_nodes)
+        return tree if len(tree) else None
+
+    def _part(self, which: int, drafter: Drafter, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        try:
+            return drafter.draft(context_ids, max_nodes)
+        except Exception as exc:  # one failing part must not cost the other part's draft
+            if which not in self._failed:
+                self._failed.add(which)
+                log.warning("drafter %s failed, merging without it (logged once): %s", type(drafter).__name__, exc)
+            return None
 
 
 def make_drafter(name: str, *, store: Any = None, rest_index: Any = None) -> Drafter | None:
-    """Return the drafter called `name` (none, prompt, rest, crest, crest+prompt)."""
-    if name not in NAMES:
-        raise ConfigError(f"unknown drafter {name!r}: use one of {', '.join(NAMES)}")
-    if name == "none":
-        return NoneDrafter()
-    if name == "prompt":
-        return PromptDrafter()
-    if name == "rest":
-        if rest_index is None:
-            raise ConfigError("the rest drafter needs --rest-index DIR (build one with `crest rest-index build`)")
-        from crest.rest import RestDrafter
+    """Return the drafter called `name` (none, prompt, rest, crest, crest+prompt) built on its parts.
 
-        return RestDrafter(rest_index)
+    `store` is a `crest_client.Store` (or anything with its `draft` method); `rest_index` a
+    `crest.rest.RestIndex` or the directory of a saved one.
+    """
+    key = name.strip().lower()
+    if key not in NAMES:
+        raise ConfigError(f"unknown drafter {name!r}: use one of {', '.join(NAMES)}")
+    if key == "none":
+        return NoneDrafter()
+    if key == "prompt":
+        return PromptDrafter()
+    if key == "rest":
+        if rest_index is None:
+            raise ConfigError("the rest drafter needs a REST index (build one with `crest rest-index build`)")
+        from crest.rest import RestDrafter, RestIndex
+
+        index = RestIndex.load(rest_index) if isinstance(rest_index, str | Path) else rest_index
+        return RestDrafter(index)
     if store is None:
-        raise ConfigError(f"the {name} drafter needs --store NAME")
+        raise ConfigError(f"the {key} drafter needs a store (--store NAME)")
     crest = StoreDrafter(store)
-    return crest if name == "crest" else MergedDrafter(crest, PromptDrafter())
+    return crest if key == "crest" else MergedDrafter(crest, PromptDrafter())

@@ -1,123 +1,292 @@
-"""Drafters: prompt lookup, merging, the REST baseline, and the invariants every returned tree keeps."""
+"""Drafters: the weighted-trie builder, prompt lookup, merging, the store adapter, and the tree order every
+returned draft keeps (weight desc, depth, token, parent's position: parents first, prefixes are subtrees)."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
+import psycopg
 import pytest
 from crest_client.draft import Draft
+from crest_client.errors import CodecError, ConnectionUnavailable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crest.drafters import MergedDrafter, PromptDrafter, StoreDrafter, build_draft, make_drafter
+from crest.drafters import (
+    MERGE_SCALE,
+    Drafter,
+    MergedDrafter,
+    NoneDrafter,
+    PromptDrafter,
+    StoreDrafter,
+    build_draft,
+    make_drafter,
+    merge_drafts,
+)
 from crest.errors import ConfigError
 from crest.rest import RestDrafter, RestIndex
-from tests.fix_corpora import corpora, flatten
+
+BIG = 1 << 20  # token ids past 16 bits exercise the byte-wise row sort
 
 
 def check_invariants(draft: Draft | None, max_nodes: int) -> None:
+    """Assert what the verifier relies on: a valid tree in the stored order, at most `max_nodes` nodes."""
     if draft is None:
         return
     draft.validate()
-    assert 0 < len(draft) <= max_nodes
+    assert 0 <= len(draft) <= max_nodes
+    assert draft.tokens.dtype == np.int64 and draft.parents.dtype == np.int32 and draft.weights.dtype == np.int64
     assert (np.diff(draft.weights) <= 0).all()
     siblings = Counter(zip(draft.parents.tolist(), draft.tokens.tolist(), strict=True))
-    assert max(siblings.values()) == 1  # no duplicate child tokens
+    assert not siblings or max(siblings.values()) == 1  # no duplicate child tokens
+    has_parent = draft.parents >= 0
+    assert (draft.weights[draft.parents[has_parent]] >= draft.weights[has_parent]).all()
+    columns = (-draft.weights, draft.depths(), draft.tokens, draft.parents)
+    keys = list(zip(*(c.tolist() for c in columns), strict=True))
+    assert all(a < b for a, b in zip(keys, keys[1:], strict=False)), "nodes out of (weight, depth, token, parent) order"
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), min_size=1, max_size=12), st.integers(1, 20))
-def test_build_draft_weights_count_continuations(conts: list[list[int]], size: int) -> None:
-    draft = build_draft(conts, tree_size=size)
+def reference_tree(conts: list[list[int]], tree_size: int, n: int = 0) -> Draft:
+    """Build the trie with dicts and place nodes greedily: the smallest (-weight, depth, token, parent) first."""
+    weight = Counter(tuple(c[:k]) for c in conts for k in range(1, len(c) + 1))
+    placed: dict[tuple[int, ...], int] = {}
+    while len(placed) < min(tree_size, len(weight)):
+        ready = [p for p in weight if p not in placed and (len(p) == 1 or p[:-1] in placed)]
+        best = min(ready, key=lambda p: (-weight[p], len(p), p[-1], placed.get(p[:-1], -1)))
+        placed[best] = len(placed)
+    paths = sorted(placed, key=placed.__getitem__)
+    return Draft(
+        np.array([p[-1] for p in paths], dtype=np.int64),
+        np.array([placed[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=np.int32),
+        np.array([weight[p] for p in paths], dtype=np.int64),
+        n,
+    )
+
+
+def same(a: Draft, b: Draft) -> bool:
+    return (
+        a.tokens.tolist() == b.tokens.tolist()
+        and a.parents.tolist() == b.parents.tolist()
+        and a.weights.tolist() == b.weights.tolist()
+        and a.n == b.n
+    )
+
+
+continuation_sets = st.lists(st.lists(st.integers(0, 4), max_size=7), max_size=14)
+
+
+@settings(max_examples=300, deadline=None)
+@given(continuation_sets, st.integers(1, 30), st.booleans())
+def test_build_draft_equals_reference_trie(conts: list[list[int]], size: int, big_ids: bool) -> None:
+    if big_ids:
+        conts = [[BIG * t + t for t in c] for c in conts]
+    draft = build_draft(conts, tree_size=size, n=3)
     check_invariants(draft, size)
-    assert draft is not None
-    for path, w in zip(draft.paths(), draft.weights.tolist(), strict=True):
-        assert w == sum(1 for c in conts if c[: len(path)] == path)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=40))
-def test_prompt_lookup_matches_brute_force(context: list[int]) -> None:
-    draft = PromptDrafter(max_ngram=4, min_ngram=1, max_matches=100, length=3).draft(context, 64)
-    check_invariants(draft, 64)
-    size = len(context)
-    for n in range(min(4, size - 1), 0, -1):
-        hits = [i for i in range(size - n) if context[i : i + n] == context[size - n :]]
-        if hits:
-            assert draft is not None and draft.n == n
-            conts = {tuple(context[h + n : h + n + 3]) for h in hits}
-            assert {tuple(p) for p in draft.paths()} >= {c[:1] for c in conts}
-            return
-    assert draft is None
-
-
-def test_merged_tree_holds_both_trees_paths() -> None:
-    class Fixed:
-        def __init__(self, draft: Draft) -> None:
-            self.value = draft
-
-        def draft(self, context: list[int], max_nodes: int) -> Draft:
-            return self.value
-
-    a = build_draft([[1, 2, 3], [1, 2, 4], [5]], tree_size=10, n=3)
-    b = build_draft([[1, 2, 9]], tree_size=10, n=2)
-    assert a is not None and b is not None
-    merged = MergedDrafter(Fixed(a), Fixed(b)).draft([0], 64)
-    check_invariants(merged, 64)
-    assert merged is not None
-    paths = {tuple(p) for p in merged.paths()}
-    assert {tuple(p) for p in a.paths()} | {tuple(p) for p in b.paths()} == paths
-    assert merged.tokens[0] == 1  # the path both trees share weighs most
-
-
-def test_store_drafter_swallows_errors() -> None:
-    class Down:
-        def draft(self, context: list[int], max_nodes: int) -> Draft:
-            raise OSError("connection refused")
-
-    assert StoreDrafter(Down()).draft([1, 2], 8) is None
-
-
-@pytest.mark.parametrize("name", ["rest", "crest", "crest+prompt", "nope"])
-def test_make_drafter_needs_its_parts(name: str) -> None:
-    with pytest.raises(ConfigError):
-        make_drafter(name)
-
-
-def brute_rest(docs: list[list[int]], context: list[int], length: int) -> tuple[int, list[list[int]]] | None:
-    for m in range(min(16, len(context)), 1, -1):
-        pat = context[-m:]
-        conts = [d[i + m : i + m + length] for d in docs for i in range(len(d) - m + 1) if d[i : i + m] == pat]
-        if conts:
-            return m, conts
-    return None
+    assert same(draft, reference_tree([c for c in conts if c], size, 3))
 
 
 @settings(max_examples=150, deadline=None)
-@given(corpora(), st.lists(st.integers(0, 5), min_size=2, max_size=20))
-def test_rest_matches_brute_force(corpus: tuple[list[list[int]], int], context: list[int]) -> None:
-    docs, _ = corpus
-    tokens, offsets = flatten(docs)
-    index = RestIndex.build(tokens, offsets)
-    draft = RestDrafter(index, continuation_length=3).draft(context, 64)
-    want = brute_rest(docs, context, 3)
-    if want is None or not any(want[1]):
-        assert draft is None
+@given(continuation_sets, st.integers(1, 30), st.randoms(use_true_random=False))
+def test_build_draft_input_forms_and_prefixes(conts: list[list[int]], size: int, rnd: object) -> None:
+    full = build_draft(conts, tree_size=1000)
+    width = max((len(c) for c in conts), default=0)
+    padded = np.full((len(conts), width), -1, dtype=np.int64)
+    for i, c in enumerate(conts):
+        padded[i, : len(c)] = c
+    shuffled = list(conts)
+    rnd.shuffle(shuffled)  # type: ignore[attr-defined]
+    assert same(build_draft(padded, tree_size=1000), full)
+    assert same(build_draft([np.array(c, dtype=np.int32) for c in shuffled], tree_size=1000), full)
+    assert same(build_draft(conts, tree_size=size), full.truncate(size))  # a prefix slice is the best subtree
+
+
+def test_build_draft_padding_and_empty_inputs() -> None:
+    rows = np.array([[3, -1, 7], [3, 4, -1], [-1, 5, 5]])  # a row ends at its first pad
+    draft = build_draft(rows, tree_size=10)
+    assert draft.paths() == [[3], [3, 4]] and draft.weights.tolist() == [2, 1]
+    assert len(build_draft([], tree_size=5, n=2)) == 0
+    assert len(build_draft([[], []], tree_size=5)) == 0
+    assert len(build_draft([[1, 2]], tree_size=0)) == 0
+    with pytest.raises(ValueError, match="negative"):
+        build_draft([[1, -5]])
+
+
+def brute_prompt(context: list[int], max_ngram: int, min_ngram: int, matches: int, length: int) -> Draft | None:
+    size = len(context)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        hits = [i for i in range(size - n) if context[i : i + n] == context[size - n :]]
+        if hits:
+            conts = [context[h + n : h + n + length] for h in reversed(hits)][:matches]
+            return reference_tree(conts, 64, n)
+    return None
+
+
+prompt_options = st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(1, 4), st.integers(1, 5))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), prompt_options)
+def test_prompt_lookup_equals_brute_force(context: list[int], options: tuple[int, int, int, int]) -> None:
+    top, low, matches, length = options
+    low = min(low, top)
+    drafter = PromptDrafter(max_ngram=top, min_ngram=low, max_matches=matches, continuation_length=length)
+    draft = drafter.draft(context, 64)
+    check_invariants(draft, 64)
+    want = brute_prompt(context, top, low, matches, length)
+    assert (draft is None) == (want is None)
+    if draft is not None and want is not None:
+        assert same(draft, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3), max_size=6)), min_size=1, max_size=12))
+def test_prompt_lookup_state_follows_growing_and_new_contexts(steps: list[tuple[bool, list[int]]]) -> None:
+    drafter, context = PromptDrafter(min_ngram=1), [5]
+    for grow, tokens in steps:
+        context = context + tokens if grow else tokens  # the verifier grows one list; a new request starts over
+        got = drafter.draft(np.array(context, dtype=np.int64) if len(context) % 2 else context, 16)
+        want = PromptDrafter(min_ngram=1).draft(list(context), 16)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert same(got, want)
+
+
+def test_prompt_lookup_takes_most_recent_matches_of_the_longest_suffix() -> None:
+    context = [7, 1, 2, 3, 4, 1, 2, 3, 5, 9, 2, 3, 6, 1, 2, 3]
+    draft = PromptDrafter(max_ngram=8, min_ngram=2, max_matches=1, continuation_length=3).draft(context, 64)
+    assert draft is not None and draft.n == 3  # "1 2 3", not the more frequent "2 3"
+    assert draft.paths() == [[5], [5, 9], [5, 9, 2]]  # after the most recent earlier "1 2 3"
+    assert PromptDrafter().draft([1, 2, 3, 4], 64) is None
+    assert PromptDrafter().draft([1, 2, 1, 2], 0) is None
+    with pytest.raises(ConfigError):
+        PromptDrafter(min_ngram=3, max_ngram=2)
+
+
+class Fixed:
+    """A drafter that always proposes the same tree (or raises)."""
+
+    def __init__(self, draft: Draft | None = None, error: Exception | None = None) -> None:
+        self.value, self.error, self.calls = draft, error, 0
+
+    def draft(self, context_ids: object, max_nodes: int) -> Draft | None:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return None if self.value is None else self.value.truncate(max_nodes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(continuation_sets, continuation_sets, st.integers(1, 80), st.floats(0.1, 4.0))
+def test_merged_tree_holds_both_paths_with_summed_estimates(
+    a_conts: list[list[int]], b_conts: list[list[int]], size: int, share: float
+) -> None:
+    a, b = build_draft(a_conts, tree_size=40, n=4), build_draft(b_conts, tree_size=40, n=2)
+    merged = MergedDrafter(Fixed(a), Fixed(b), secondary_share=share).draft([0], size)
+    check_invariants(merged, size)
+    if not len(a) and not len(b):
+        assert merged is None
         return
-    m, conts = want
-    assert draft is not None and draft.n == m
-    expected = build_draft([c for c in conts if c], tree_size=64, n=m)
-    assert expected is not None
-    assert draft.paths() == expected.paths() and draft.weights.tolist() == expected.weights.tolist()
+    assert merged is not None and merged.n == (4 if len(a) else 2)
+    paths = {tuple(p): w for p, w in zip(merged.paths(), merged.weights.tolist(), strict=True)}
+    a_cut, b_cut = a.truncate(size), b.truncate(size)
+    both = {tuple(p) for p in a_cut.paths()} | {tuple(p) for p in b_cut.paths()}
+    assert set(paths) <= both and (len(paths) == size or set(paths) == both)
+
+    def estimate(tree: Draft, path: tuple[int, ...]) -> float:
+        found = dict(zip(map(tuple, tree.paths()), tree.weights.tolist(), strict=True))
+        return found.get(path, 0) / max(1, int(tree.weights[tree.parents < 0].sum()))
+
+    for path, w in paths.items():
+        want = estimate(a_cut, path) + share * estimate(b_cut, path)
+        assert w == max(1, round(MERGE_SCALE * want))
 
 
-def test_rest_save_load_and_size(tmp_path: object) -> None:
-    tokens, offsets = flatten([[1, 2, 3, 4], [1, 2, 5]])
-    index = RestIndex.build(tokens, offsets)
-    assert index.nbytes == tokens.nbytes + 7 * 4
-    index.save(tmp_path)  # type: ignore[arg-type]
-    loaded = RestIndex.load(tmp_path)  # type: ignore[arg-type]
-    assert loaded.sa.tolist() == index.sa.tolist()
-    draft = RestDrafter(loaded).draft([9, 1, 2], 8)
-    assert draft is not None and sorted(draft.tokens.tolist()) == [3, 4, 5]  # never crosses into the next document
+def test_merged_prefers_shared_paths_and_survives_a_failing_part(caplog: pytest.LogCaptureFixture) -> None:
+    a = build_draft([[1, 2, 3], [1, 2, 4], [5], [6]], tree_size=10, n=3)
+    b = build_draft([[5, 9], [5, 9]], tree_size=10, n=2)
+    merged = MergedDrafter(Fixed(a), Fixed(b)).draft([0], 64)
+    assert merged is not None and merged.paths()[0] == [5]  # 1/4 + 1 beats 2/4
+    broken = MergedDrafter(Fixed(error=RuntimeError("boom")), Fixed(b))
+    with caplog.at_level(logging.WARNING, logger="crest.drafters"):
+        for _ in range(3):
+            got = broken.draft([0], 64)
+            assert got is not None and got.paths() == [[5], [5, 9]]
+    assert len([r for r in caplog.records if "boom" in r.getMessage()]) == 1
+    assert MergedDrafter(Fixed(None), Fixed(None)).draft([0], 64) is None
+
+
+def test_merge_drafts_repairs_weights_that_grow_downwards() -> None:
+    odd = Draft(np.array([1, 2, 3]), np.array([-1, 0, 1], dtype=np.int32), np.array([2, 5, 9]), 1)
+    merged = merge_drafts([odd], tree_size=8)
+    check_invariants(merged, 8)
+    assert merged.paths() == [[1], [1, 2], [1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CodecError("corrupt blob"),
+        ConnectionUnavailable("database down"),
+        psycopg.OperationalError("server closed the connection"),
+        psycopg.errors.QueryCanceled("statement timeout"),
+        TimeoutError("timed out"),
+    ],
+    ids=["corrupt-row", "db-down", "psycopg-operational", "query-timeout", "timeout"],
+)
+def test_store_drafter_turns_store_errors_into_no_draft(error: Exception, caplog: pytest.LogCaptureFixture) -> None:
+    store = Fixed(error=error)
+    drafter = StoreDrafter(store)
+    with caplog.at_level(logging.DEBUG, logger="crest.drafters"):
+        assert drafter.draft([1, 2], 8) is None
+        assert drafter.draft([1, 2, 3], 8) is None
+    assert store.calls == 2 and drafter.failures == 2
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1  # logged once
+
+
+def test_store_drafter_passes_trees_and_bugs_through() -> None:
+    class Store:
+        def __init__(self) -> None:
+            self.asked: list[tuple[list[int], int]] = []
+
+        def draft(self, context_ids: list[int], max_nodes: int = 64) -> Draft | None:
+            self.asked.append((list(context_ids), max_nodes))
+            return build_draft([[1, 2, 3], [1, 4]], tree_size=64, n=2)
+
+    store = Store()
+    got = StoreDrafter(store).draft([7, 8], 2)
+    assert store.asked == [([7, 8], 2)]
+    assert got is not None and got.paths() == [[1], [1, 2]]  # never more than max_nodes
+    with pytest.raises(ZeroDivisionError):  # a bug is not a store failure: the verifier sees it
+        StoreDrafter(Fixed(error=ZeroDivisionError())).draft([1], 8)
+
+
+def test_make_drafter_builds_each_name(tmp_path: Path) -> None:
+    store = Fixed(build_draft([[4, 5]], tree_size=8, n=1))
+    index = RestIndex.build(np.array([1, 2, 3, 1, 2, 4], dtype=np.int32), np.array([0, 3, 6]))
+    index.save(tmp_path / "rest")
+    assert isinstance(make_drafter("none"), NoneDrafter)
+    assert isinstance(make_drafter("prompt"), PromptDrafter)
+    assert isinstance(make_drafter("crest", store=store), StoreDrafter)
+    assert isinstance(make_drafter(" CREST+prompt", store=store), MergedDrafter)
+    assert isinstance(make_drafter("rest", rest_index=index), RestDrafter)
+    from_dir = make_drafter("rest", rest_index=str(tmp_path / "rest"))
+    assert isinstance(from_dir, RestDrafter)
+    for name in ("none", "prompt", "crest", "crest+prompt", "rest"):
+        drafter = make_drafter(name, store=store, rest_index=index)
+        assert drafter is not None and isinstance(drafter, Drafter)
+        check_invariants(drafter.draft([9, 1, 2, 9, 1], 8), 8)
+    got = from_dir.draft([0, 1, 2], 8)
+    assert got is not None and sorted(got.tokens.tolist()) == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("name", "parts"),
+    [("rest", {}), ("crest", {}), ("crest+prompt", {"rest_index": "x"}), ("nope", {}), ("", {})],
+    ids=["rest-no-index", "crest-no-store", "merged-no-store", "unknown", "empty"],
+)
+def test_make_drafter_refuses_missing_parts(name: str, parts: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        make_drafter(name, **parts)
