@@ -1,13 +1,13 @@
 """Tree-attention speculative generation that is exactly lossless.
 
 Each step feeds the last accepted token (the root) and the whole draft tree, laid out breadth-first, to the
-target model in one forward pass on top of its KV cache: a 4-D mask lets each node see the prefix, the
-root and its own ancestors only, and position ids are the root's position plus the node's depth. The
-longest root-to-node path the target agrees with is accepted, plus the target's own next token; the KV
-entries of the accepted path are moved into place and the rest dropped, with no recomputation. Greedy
-output equals plain greedy decoding; with sampling, each node's token is sampled from the target's
-(processed) distribution and the walk follows the child that matches, so the output distribution is the
-target's own.
+target model in one forward pass on top of its KV cache: a 4-D additive mask lets each node see the prefix
+(within the sliding window, for models that have one), the root and its own ancestors only, and position ids
+are the root's position plus the node's depth. The longest root-to-node path the target agrees with is
+accepted, plus the target's own next token; the accepted path's KV entries are moved into place and the rest
+dropped, with no recomputation. Greedy output equals plain greedy decoding; with sampling, each node's token
+is drawn from the target's processed distribution and the walk follows the child that matches
+(`crest.sampling`), so the output distribution is the target's own. Draft sizes come from `crest.sizing`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,45 @@ import numpy as np
 import torch
 from crest_client.draft import Draft
 
-from crest.errors import ModelError
+from crest.errors import ConfigError, ModelError
+from crest.sampling import (
+    accept_greedy,
+    accept_sampled,
+    check_sampling,
+    children_of,
+    process_logits,
+    sample_nodes,
+)
+from crest.sizing import CostModel, calibrate, choose_draft_size, path_probabilities
+
+__all__ = [
+    "ATTENTION",
+    "SUPPORTED",
+    "CostModel",
+    "Drafter",
+    "GenerationResult",
+    "SpeculativeGenerator",
+    "accept_greedy",
+    "accept_sampled",
+    "build_tree_inputs",
+    "calibrate",
+    "check_supported",
+    "children_of",
+    "choose_draft_size",
+    "compact_cache",
+    "crop_cache",
+    "generate_plain",
+    "limit_depth",
+    "process_logits",
+    "tree_inputs",
+    "tree_layout",
+    "tree_mask",
+]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2, tiny), qwen2 (tiny)
+SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2 and tiny), qwen2 and mistral (tiny)
+ATTENTION = ("sdpa", "eager")  # attention kernels that honour a custom 4-D additive mask
 
 
 class Drafter(Protocol):
@@ -37,7 +71,7 @@ class Drafter(Protocol):
 
 @dataclass
 class GenerationResult:
-    """One generation's output and figures."""
+    """One generation's output and figures (M = mean_accepted_length, new tokens per target forward)."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -48,9 +82,16 @@ class GenerationResult:
     draft_seconds: float
     verify_seconds: float
     tokens_per_second: float
-    stop_reason: str
+    stop_reason: str  # length | eos | stop | context
     draft_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Return the number of decoding steps (one target forward each)."""
+        return self.forward_passes
 
     def to_json(self) -> dict[str, Any]:
         """Return the result as a JSON-ready dict."""
@@ -58,11 +99,19 @@ class GenerationResult:
 
 
 def check_supported(model: Any) -> None:
-    """Raise ModelError unless the model's family accepts a 4-D mask and position ids (tested families)."""
-    kind = getattr(getattr(model, "config", None), "model_type", None)
+    """Raise ModelError unless the model's family and attention kernel accept a 4-D mask and position ids."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         raise ModelError(
-            f"model type {kind!r} is not supported by the tree verifier (supported: {', '.join(SUPPORTED)})"
+            f"model type {kind!r} is not supported by the tree verifier (supported: {', '.join(SUPPORTED)}; "
+            "tested: llama incl. SmolLM2, qwen2, mistral)"
+        )
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention not in ATTENTION:
+        raise ModelError(
+            f"attention implementation {attention!r} ignores custom tree masks: load the model with "
+            f"attn_implementation set to one of {', '.join(ATTENTION)}"
         )
 
 
@@ -81,87 +130,87 @@ def tree_mask(parent_slot: np.ndarray) -> np.ndarray:
     """Return the [T+1, T+1] bool mask of root + nodes: each sees itself and its ancestors."""
     size = parent_slot.shape[0] + 1
     mask = np.zeros((size, size), dtype=bool)  # [T+1, T+1]
-    mask[0, 0] = True
+    mask[:, 0] = True
     for i, p in enumerate(parent_slot.tolist(), start=1):
         mask[i] = mask[p]
         mask[i, i] = True
     return mask
 
 
-def build_tree_inputs(
-    root: int, draft: Draft, past_len: int, *, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Return (input_ids [1, T+1], position_ids [1, T+1], mask [1, 1, T+1, past+T+1], tokens, parent slots)."""
+def additive_mask(
+    visible: np.ndarray,
+    positions: torch.Tensor,
+    past_len: int,
+    *,
+    dtype: torch.dtype,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Return the [1, 1, S, past+S] additive mask (0 = attend, dtype min = not) of a tree over a cache."""
+    device = positions.device
+    size = visible.shape[0]
+    tree = torch.from_numpy(visible).to(device)  # [S, S]
+    if past_len == 0 and window is None:
+        allowed = tree
+    else:
+        prefix = torch.ones((size, past_len), dtype=torch.bool, device=device)  # [S, past]
+        allowed = torch.cat((prefix, tree), dim=1)  # [S, past+S]
+        if window is not None:
+            keys = torch.cat((torch.arange(past_len, device=device), positions[0]))  # [past+S] key positions
+            allowed &= positions[0].view(-1, 1) - keys.view(1, -1) < window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.view(1, 1, size, -1)
+
+
+def tree_inputs(
+    root: int, draft: Draft, past_len: int, *, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Return (input_ids [1, T+1], position_ids [1, T+1], tokens [T+1], parent slots [T]) of root + tree."""
     order, parent_slot, depth = tree_layout(draft)
-    tokens = np.concatenate(([root], draft.tokens[order])).astype(np.int64)
-    positions = past_len + np.concatenate(([0], depth))
-    visible = tree_mask(parent_slot)
-    size = tokens.shape[0]
-    mask = torch.zeros((1, 1, size, past_len + size), dtype=dtype)  # additive: 0 = attend
-    mask[0, 0, :, past_len:] = torch.from_numpy(~visible).to(dtype) * torch.finfo(dtype).min
+    tokens = np.concatenate(([root], draft.tokens[order])).astype(np.int64)  # [T+1] root first
+    positions = past_len + np.concatenate(([0], depth)).astype(np.int64)  # [T+1]
     ids = torch.from_numpy(tokens).view(1, -1).to(device)
     pos = torch.from_numpy(positions).view(1, -1).to(device)
-    return ids, pos, mask.to(device), tokens, parent_slot
+    return ids, pos, tokens, parent_slot
 
 
-def children_of(parent_slot: np.ndarray, tokens: np.ndarray) -> list[dict[int, int]]:
-    """Return, for each slot (root first), a map from child token to child slot."""
-    kids: list[dict[int, int]] = [{} for _ in range(parent_slot.shape[0] + 1)]
-    for slot, parent in enumerate(parent_slot.tolist(), start=1):
-        kids[parent].setdefault(int(tokens[slot]), slot)
-    return kids
+def build_tree_inputs(
+    root: int,
+    draft: Draft,
+    past_len: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Return (input_ids [1, T+1], position_ids [1, T+1], mask [1, 1, T+1, past+T+1], tokens, parent slots)."""
+    ids, pos, tokens, parent_slot = tree_inputs(root, draft, past_len, device=device)
+    mask = additive_mask(tree_mask(parent_slot), pos, past_len, dtype=dtype, window=window)
+    return ids, pos, mask, tokens, parent_slot
 
 
-def walk_tree(kids: list[dict[int, int]], pick: Callable[[int], int]) -> tuple[list[int], list[int]]:
-    """Return (accepted slots, emitted tokens): from the root, take `pick(slot)` and follow a matching child."""
-    slots: list[int] = []
-    emitted: list[int] = []
-    current = 0
-    while True:
-        token = pick(current)
-        emitted.append(token)
-        nxt = kids[current].get(token)
-        if nxt is None:
-            return slots, emitted
-        slots.append(nxt)
-        current = nxt
-
-
-def accept_greedy(predicted: Sequence[int], kids: list[dict[int, int]]) -> tuple[list[int], list[int]]:
-    """Return (accepted slots, emitted tokens): follow the target's argmax while a child matches."""
-    return walk_tree(kids, lambda slot: int(predicted[slot]))
-
-
-def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Return sampling probabilities [N, V] after temperature, top-k and top-p, as `generate` applies them."""
-    scores = logits.float() / max(temperature, 1e-6)
-    if top_k and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, idx = torch.sort(scores, descending=False, dim=-1)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - top_p)
-        remove[..., -1:] = False
-        scores = scores.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
-    return scores.softmax(dim=-1)
-
-
-def accept_sampled(
-    probs: torch.Tensor, kids: list[dict[int, int]], generator: torch.Generator
-) -> tuple[list[int], list[int]]:
-    """Return (accepted slots, emitted tokens): sample at each node, follow the child that matches."""
-    return walk_tree(kids, lambda slot: int(torch.multinomial(probs[slot], 1, generator=generator).item()))
+def limit_depth(draft: Draft, max_depth: int) -> Draft:
+    """Return the subtree of nodes at depth <= `max_depth`, in the same order (parents renumbered)."""
+    if len(draft) == 0:
+        return draft
+    keep = draft.depths() <= max_depth
+    if keep.all():
+        return draft
+    index = np.cumsum(keep) - 1  # new index of each kept node
+    parents = np.where(draft.parents >= 0, index[np.maximum(draft.parents, 0)], -1)[keep]
+    return Draft(draft.tokens[keep], parents.astype(np.int32), draft.weights[keep], draft.n)
 
 
 def compact_cache(cache: Any, past_len: int, slots: Sequence[int]) -> None:
-    """Keep the prefix, the root and the accepted slots' KV entries (in path order); drop the rest."""
-    keep = torch.tensor([past_len + s for s in slots], dtype=torch.long)
+    """Keep the prefix, the root and the accepted slots' KV entries (moved into place, in path order)."""
+    keep = len(slots)
     for layer in cache.layers:
-        device = layer.keys.device
-        idx = torch.cat((torch.arange(past_len + 1, device=device), keep.to(device)))
-        layer.keys = layer.keys.index_select(2, idx)
-        layer.values = layer.values.index_select(2, idx)
+        if keep:
+            src = torch.tensor([past_len + s for s in slots], dtype=torch.long).to(layer.keys.device)
+            layer.keys[:, :, past_len + 1 : past_len + 1 + keep] = layer.keys.index_select(2, src)
+            layer.values[:, :, past_len + 1 : past_len + 1 + keep] = layer.values.index_select(2, src)
+        layer.keys = layer.keys[:, :, : past_len + 1 + keep]
+        layer.values = layer.values[:, :, : past_len + 1 + keep]
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -171,62 +220,56 @@ def crop_cache(cache: Any, length: int) -> None:
         layer.values = layer.values[:, :, :length]
 
 
-class CostModel:
-    """Measured seconds of one forward of k tree tokens on top of a cache, for choosing the draft size."""
-
-    def __init__(self, sizes: Sequence[int], seconds: Sequence[float]) -> None:
-        self.sizes = np.asarray(sizes, dtype=np.float64)
-        self.seconds = np.asarray(seconds, dtype=np.float64)
-
-    def __call__(self, k: np.ndarray | int) -> np.ndarray:
-        return np.interp(np.asarray(k, dtype=np.float64), self.sizes, self.seconds)
+def check_draft(draft: Draft, vocab: int) -> None:
+    """Raise ValueError unless `draft` is a well-formed tree over token ids below `vocab`."""
+    draft.validate()
+    if len(draft) and (draft.tokens.min() < 0 or draft.tokens.max() >= vocab):
+        raise ValueError(f"a draft token is outside the model's vocabulary of {vocab}")
 
 
-_COSTS: dict[tuple[int, str, str], CostModel] = {}
+class TextTracker:
+    """Decodes the output as it grows: streams new text, holds back partial characters, finds stop strings."""
 
+    def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.on_text = on_text
+        self.sent = ""
+        self.searched = 0  # text length already searched for stop strings
 
-def calibrate(model: Any, *, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), context: int = 256) -> CostModel:
-    """Measure (once per model, device and dtype) the forward time of k tokens after a cache of `context`."""
-    param = next(model.parameters())
-    ident = (id(model), str(param.device), str(param.dtype))
-    if ident in _COSTS:
-        return _COSTS[ident]
-    from transformers import DynamicCache
+    @property
+    def active(self) -> bool:
+        """Return whether anything needs the text during generation."""
+        return bool(self.stop) or self.on_text is not None
 
-    vocab = int(model.config.vocab_size)
-    context = min(context, int(getattr(model.config, "max_position_embeddings", 2048)) - max(sizes) - 1)
-    ids = torch.randint(0, vocab, (1, max(context, 1)), device=param.device)
-    seconds = []
-    with torch.no_grad():
-        cache = DynamicCache()
-        model(ids, past_key_values=cache, use_cache=True)
-        for k in sizes:
-            best = float("inf")
-            for _ in range(3):
-                step = torch.randint(0, vocab, (1, k), device=param.device)
-                pos = torch.arange(ids.shape[1], ids.shape[1] + k, device=param.device).view(1, -1)
-                t0 = time.perf_counter()
-                model(step, past_key_values=cache, position_ids=pos, use_cache=True)
-                if param.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t0)
-                crop_cache(cache, ids.shape[1])
-            seconds.append(best)
-    _COSTS[ident] = CostModel(sizes, seconds)
-    return _COSTS[ident]
+    def decode(self, ids: Sequence[int]) -> str:
+        """Return the text of `ids` without special tokens."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
+    def stop_at(self, out: list[int], before: int) -> int | None:
+        """Return the length of `out` that just completes a stop string (None: no stop string yet)."""
+        if not self.stop:
+            return None
+        text = self.decode(out)
+        start = max(0, self.searched - max(len(s) for s in self.stop) + 1)
+        self.searched = len(text)
+        if not any(s in text[start:] for s in self.stop):
+            return None
+        for end in range(before + 1, len(out) + 1):  # the first token that completes a stop string
+            if any(s in self.decode(out[:end]) for s in self.stop):
+                return end
+        return len(out)
 
-def choose_draft_size(draft: Draft, cost: CostModel, *, acceptance_scale: float = 1.0) -> int:
-    """Return the prefix size k that maximises expected new tokens per second for this draft."""
-    if len(draft) == 0:
-        return 0
-    total = float(draft.weights[draft.parents < 0].sum()) or 1.0
-    gain = acceptance_scale * np.cumsum(draft.weights / total)  # expected accepted nodes of each prefix
-    k = np.arange(1, len(draft) + 1)
-    rate = (1.0 + gain) / cost(k + 1)
-    base = 1.0 / float(cost(1))
-    best = int(np.argmax(rate))
-    return int(k[best]) if rate[best] > base else 0
+    def push(self, out: Sequence[int], *, final: bool = False) -> None:
+        """Stream the text added since the last call (all of it when `final`)."""
+        if self.on_text is None:
+            return
+        text = self.decode(out)
+        if not final:
+            text = text.rstrip("\ufffd")  # an incomplete multi-byte character may still change
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.on_text(text[len(self.sent) :])
+            self.sent = text
 
 
 class SpeculativeGenerator:
@@ -239,46 +282,74 @@ class SpeculativeGenerator:
         *,
         max_draft_tokens: int | None = None,
         adaptive: bool = True,
+        draft_budget: int = 64,
     ) -> None:
         check_supported(model)
+        if max_draft_tokens is not None and max_draft_tokens < 0:
+            raise ConfigError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive and max_draft_tokens is None
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        self.draft_budget = max_draft_tokens if max_draft_tokens is not None else draft_budget
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.mask_dtype = self.dtype if self.dtype.is_floating_point else torch.float32
+        config = model.config
+        self.vocab = int(config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", None) or 1 << 30)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._windows = _mask_windows(config)
         self._cost: CostModel | None = None
-        self._scale = 0.5  # running ratio of accepted to weight-predicted nodes
+        self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
         self._failed_drafters: set[int] = set()
 
+    @property
+    def acceptance_scale(self) -> float:
+        """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
+        return float(np.clip((self._accepted + 0.5) / (self._predicted + 1.0), 0.05, 1.5))
+
     def cost(self) -> CostModel:
-        """Return the measured forward cost model (calibrating on first use)."""
+        """Return the measured forward cost model (calibrating once per model, device and dtype)."""
         if self._cost is None:
             self._cost = calibrate(self.model)
         return self._cost
 
-    def _draft(self, drafter: Drafter | None, context: list[int], room: int) -> Draft | None:
-        if drafter is None or room <= 0:
-            return None
-        budget = min(self.max_draft_tokens or 64, room)
+    def _warn_once(self, drafter: Drafter, message: str) -> None:
+        if id(drafter) not in self._failed_drafters:
+            self._failed_drafters.add(id(drafter))
+            log.warning("drafter %s: %s (no draft this step)", type(drafter).__name__, message)
+
+    def _draft(self, drafter: Drafter | None, context: list[int], depth_room: int) -> tuple[Draft, float]:
+        """Return the draft to verify this step and its weight-predicted accepted nodes."""
+        if drafter is None or depth_room <= 0 or self.draft_budget <= 0:
+            return _EMPTY, 0.0
         try:
-            draft = drafter.draft(context, budget)
+            draft = drafter.draft(context, self.draft_budget)
+            if draft is None or len(draft) == 0:
+                return _EMPTY, 0.0
+            check_draft(draft, self.vocab)
         except Exception as exc:  # a failing drafter costs a step's draft, never the generation
-            if id(drafter) not in self._failed_drafters:
-                self._failed_drafters.add(id(drafter))
-                log.warning("drafter %s failed (no draft this step): %s", type(drafter).__name__, exc)
-            return None
-        if draft is None or len(draft) == 0:
-            return None
-        draft = draft.truncate(budget)
+            self._warn_once(drafter, f"{type(exc).__name__}: {exc}")
+            return _EMPTY, 0.0
+        draft = limit_depth(draft.truncate(self.draft_budget), depth_room)
         if self.adaptive:
-            draft = draft.truncate(choose_draft_size(draft, self.cost(), acceptance_scale=self._scale))
-        return draft if len(draft) else None
+            draft = draft.truncate(choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale))
+        return draft, float(path_probabilities(draft).sum()) if len(draft) else 0.0
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor], cache: Any) -> Any:
+        mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))
+        return self.model(ids, past_key_values=cache, attention_mask=mask, position_ids=pos, use_cache=True).logits[0]
+
+    def _check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise ModelError("the prompt has no tokens")
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise ModelError(f"a prompt token id is outside the model's vocabulary of {self.vocab}")
+        if len(prompt) >= self.max_positions:
+            raise ModelError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_positions}")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be positive, got {max_new_tokens}")
 
     @torch.no_grad()
     def generate(
@@ -298,121 +369,161 @@ class SpeculativeGenerator:
         from transformers import DynamicCache
 
         prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ModelError("the prompt has no tokens")
-        if len(prompt) >= self.max_positions:
-            raise ModelError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_positions}")
+        self._check_request(prompt, max_new_tokens)
+        check_sampling(temperature=temperature, top_p=top_p, top_k=top_k)
         sampling = temperature > 0
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(seed if seed is not None else 0)
-        out: list[int] = []
-        accepted_steps: list[int] = []
-        draft_s = verify_s = 0.0
-        drafted = 0
-        stop_reason = "length"
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         if self.adaptive and drafter is not None:
             self.cost()  # calibrate once, outside the timed generation
+        text = TextTracker(self.tokenizer, stop=stop, on_text=on_text)
+        out: list[int] = []
+        accepted_steps: list[int] = []
+        draft_s = verify_s = prefill_s = 0.0
+        drafted = 0
+        stop_reason = "length"
         start = time.perf_counter()
         cache = DynamicCache()
         if len(prompt) > 1:
-            t0 = time.perf_counter()
             self.model(torch.tensor([prompt[:-1]], device=self.device), past_key_values=cache, use_cache=True)
-            verify_s += time.perf_counter() - t0
+            prefill_s = time.perf_counter() - start
         context = list(prompt)
-        emitted_text = ""
-        while len(out) < max_new_tokens:
+        while True:
             past = len(context) - 1
+            # a path of depth d needs positions up to past + d and emits d + 1 tokens
             room = min(self.max_positions - len(context) - 1, max_new_tokens - len(out) - 1)
             t0 = time.perf_counter()
-            draft = self._draft(drafter, context, room) or _EMPTY
-            draft_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            ids, pos, mask, tokens, parent_slot = build_tree_inputs(
-                context[-1], draft, past, device=self.device, dtype=self.dtype
-            )
-            logits = self.model(
-                ids, past_key_values=cache, attention_mask=mask, position_ids=pos, use_cache=True
-            ).logits[0]  # [T+1, V]
+            draft, predicted = self._draft(drafter, context, room)
+            t1 = time.perf_counter()
+            ids, pos, tokens, parent_slot = tree_inputs(context[-1], draft, past, device=self.device)
+            masks = self._masks(parent_slot, pos, past)
+            logits = self._forward(ids, pos, masks, cache)  # [T+1, V]
             kids = children_of(parent_slot, tokens)
             if sampling:
-                probs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p).cpu()
-                slots, new = accept_sampled(probs, kids, generator)
+                probs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+                picks = sample_nodes(probs, generator)  # one host sync per step
             else:
-                slots, new = accept_greedy(logits.argmax(dim=-1).tolist(), kids)  # one host sync per step
-            verify_s += time.perf_counter() - t0
+                picks = logits.argmax(dim=-1).tolist()  # one host sync per step
+            slots, new = accept_greedy(picks, kids)
+            draft_s += t1 - t0
+            verify_s += time.perf_counter() - t1
             drafted += len(draft)
             if len(draft):
-                predicted = float(draft.weights[: len(draft)].sum() / max(1, draft.weights[draft.parents < 0].sum()))
-                self._scale = 0.9 * self._scale + 0.1 * min(1.0, len(slots) / max(predicted, 1e-6))
-            new = new[: max_new_tokens - len(out)]
+                self._accepted = 0.95 * self._accepted + len(slots)
+                self._predicted = 0.95 * self._predicted + predicted
+            before = len(out)
+            new = new[: max_new_tokens - before]
             hit = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
             if hit is not None:
-                new = new[: hit + 1]
+                new, stop_reason = new[: hit + 1], "eos"
             out.extend(new)
-            accepted_steps.append(len(new))
-            context.extend(new)
-            if on_text is not None or stop:
-                text = self.tokenizer.decode(out, skip_special_tokens=True)
-                if on_text is not None and len(text) > len(emitted_text):
-                    on_text(text[len(emitted_text) :])
-                emitted_text = text
-                if stop and any(s in text for s in stop):
-                    stop_reason = "stop"
-                    break
-            if hit is not None:
-                stop_reason = "eos"
-                break
-            if len(out) >= max_new_tokens:
+            end = text.stop_at(out, before)
+            if end is not None:
+                del out[end:]
+                stop_reason = "stop"
+            accepted_steps.append(len(out) - before)
+            context = prompt + out
+            text.push(out)
+            if stop_reason != "length" or len(out) >= max_new_tokens:
                 break
             if len(context) >= self.max_positions:
                 stop_reason = "context"
                 break
             compact_cache(cache, past, slots)
         seconds = time.perf_counter() - start
+        text.push(out, final=True)
         steps = max(1, len(accepted_steps))
         return GenerationResult(
             prompt_token_ids=prompt,
             output_token_ids=out,
-            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            text=text.decode(out),
             new_tokens=len(out),
             forward_passes=len(accepted_steps),
             mean_accepted_length=len(out) / steps,
             draft_seconds=draft_s,
-            verify_seconds=verify_s,
+            verify_seconds=verify_s + prefill_s,
             tokens_per_second=len(out) / seconds if seconds > 0 else 0.0,
             stop_reason=stop_reason,
             draft_tokens=drafted,
             accepted_per_step=accepted_steps,
+            seconds=seconds,
+            prefill_seconds=prefill_s,
         )
+
+    def _masks(self, parent_slot: np.ndarray, pos: torch.Tensor, past: int) -> dict[str, torch.Tensor]:
+        """Return the additive tree mask for each attention type the model's layers use."""
+        visible = tree_mask(parent_slot)
+        return {
+            kind: additive_mask(visible, pos, past, dtype=self.mask_dtype, window=window)
+            for kind, window in self._windows.items()
+        }
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Return the model's end-of-sequence ids (generation config first, else the tokenizer's)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _mask_windows(config: Any) -> dict[str, int | None]:
+    """Return {attention type: sliding window or None}: one entry, or one per layer type when they differ."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in layer_types and window:
+        return {"full_attention": None, "sliding_attention": int(window)}
+    if getattr(config, "model_type", None) == "mistral" and window:
+        return {"full_attention": int(window)}
+    return {"full_attention": None}
 
 
 def generate_plain(
-    model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> GenerationResult:
-    """Run `model.generate` greedily (the baseline) and return its result with timings."""
-    ids = torch.tensor([list(prompt_ids)], device=next(model.parameters()).device)
+    """Run `model.generate` (the baseline; greedy when temperature is 0) and return its result with timings."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+        if temperature > 0
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    )
+    eos = _eos_ids(model, tokenizer)
+    pad = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
     start = time.perf_counter()
     with torch.no_grad():
         full = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            do_sample=False,
             max_new_tokens=max_new_tokens,
-            pad_token_id=getattr(tokenizer, "eos_token_id", None),
+            pad_token_id=pad if pad is not None else (min(eos) if eos else 0),
+            **sampling,
         )
+    out = full[0, ids.shape[1] :].tolist()  # synchronises
     seconds = time.perf_counter() - start
-    out = full[0, ids.shape[1] :].tolist()
     return GenerationResult(
         prompt_token_ids=list(prompt_ids),
         output_token_ids=out,
-        text=tokenizer.decode(out, skip_special_tokens=True),
+        text=str(tokenizer.decode(out, skip_special_tokens=True)),
         new_tokens=len(out),
         forward_passes=len(out),
         mean_accepted_length=1.0,
         draft_seconds=0.0,
         verify_seconds=seconds,
         tokens_per_second=len(out) / seconds if seconds else 0.0,
-        stop_reason="generate",
+        stop_reason="eos" if out and out[-1] in eos else "length",
+        accepted_per_step=[1] * len(out),
+        seconds=seconds,
     )
 
 
