@@ -286,9 +286,15 @@ def _clean(text: str) -> str:
 
 
 def _turn_texts(record: Any, path: Path, where: str, rep: CorpusReport) -> Iterator[str]:
-    """Yield the texts of one record: `text`, or each turn of `conversations[].value` / `messages[].content`."""
+    """Yield the texts of one record: itself if a string, its `text`, or each turn's text.
+
+    Turns are `conversations[].value` (ShareGPT) or `messages[].content` (chat format).
+    """
+    if isinstance(record, str):
+        yield _clean(record)
+        return
     if not isinstance(record, dict):
-        rep.drop(f"{path.name} {where}: not a JSON object")
+        rep.drop(f"{path.name} {where}: neither a JSON object nor a string")
         return
     text = record.get("text")
     if isinstance(text, str):
@@ -528,6 +534,6 @@ def _cut(text: str, limit: int) -> int:
     """Return where to cut `text` within `limit` characters: after the last newline, else space, else at limit."""
     for sep in ("\n", " "):
         cut = text.rfind(sep, 0, limit)
-        if cut > 0:
+        if cut >= 0:
             return cut + 1
     return limit

@@ -17,6 +17,7 @@ from tests.fix_corpus import (
     record_starts,
     turn_texts,
     write_jsonl,
+    write_sharegpt,
     write_tree,
 )
 
@@ -65,6 +66,15 @@ def test_any_cut_of_a_sharegpt_file_keeps_exactly_the_complete_records(tmp_path:
     assert docs == expected
     assert rep.dropped_records == len(started) - len(complete)
     assert rep.bytes_read == cut
+
+
+def test_sharegpt_cut_inside_a_character_is_a_truncation(tmp_path: Path) -> None:
+    data = json.dumps(CONVERSATIONS, indent=2, ensure_ascii=False).encode("utf-8")
+    cut = data.index("ü".encode()) + 1
+    path = write_sharegpt(tmp_path / "cut.json", CONVERSATIONS, cut=cut)
+    docs, rep = read_all(str(path))
+    assert docs == turn_texts(CONVERSATIONS[:1])
+    assert rep.dropped_records == 1 and f"record 2 truncated at byte {record_starts(data)[1]}" in rep.drop_reasons[0]
 
 
 def _record_end(data: bytes, start: int) -> int:
@@ -135,12 +145,13 @@ def test_sharegpt_with_bom_and_messages_records(tmp_path: Path) -> None:
 
 
 def test_records_without_text_are_dropped_with_reasons(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"prompt": "no"}, [1, 2], {"messages": [{"role": "x"}]}])
+    records = [{"text": "ok"}, {"prompt": "no"}, [1, 2], {"messages": [{"role": "x"}]}, "plain string"]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
     docs, rep = read_all(str(path))
-    assert docs == ["ok"]
+    assert docs == ["ok", "plain string"]
     assert rep.dropped_records == 3
     assert any("line 2" in r and "no 'text'" in r for r in rep.drop_reasons)
-    assert any("line 3" in r and "not a JSON object" in r for r in rep.drop_reasons)
+    assert any("line 3" in r and "neither a JSON object nor a string" in r for r in rep.drop_reasons)
     assert any("line 4 turn 1" in r for r in rep.drop_reasons)
 
 
