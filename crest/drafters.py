@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 NAMES = ("none", "prompt", "rest", "crest", "crest+prompt")
 MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
+_SMALL = 320  # continuation tokens (rows x width) up to which a Python dict builds the trie faster than numpy
 _STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # OSError covers socket errors and TimeoutError
 
 
@@ -47,15 +48,70 @@ def build_draft(
     rows = _as_rows(continuations)
     if rows.shape[0] == 0 or tree_size <= 0:
         return empty_draft(n)
-    tokens, parents, weights, depth = _trie_nodes(rows, np.ones(rows.shape[0], dtype=np.int64))
+    if rows.size <= _SMALL:
+        return _small_draft(rows, tree_size=tree_size, n=n)
+    return _large_draft(rows, tree_size=tree_size, n=n)
+
+
+def _small_draft(rows: np.ndarray, *, tree_size: int, n: int) -> Draft:
+    """Build the trie with a dict: fastest for the few continuations of prompt lookup."""
+    slot: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    tokens: list[int] = []
+    parents: list[int] = []
+    weights: list[int] = []
+    for row in rows.tolist():
+        up = -1
+        for token in row:
+            if token < 0:
+                break
+            j = slot.setdefault((up, token), len(tokens))
+            if j == len(tokens):
+                tokens.append(token)
+                parents.append(up)
+                weights.append(0)
+            weights[j] += 1
+            up = j
+    return _order(tokens, parents, weights, tree_size=tree_size, n=n)
+
+
+def _large_draft(rows: np.ndarray, *, tree_size: int, n: int) -> Draft:
+    """Build the trie with numpy: for REST's thousands of continuations."""
+    tokens, parents, weights, depth = _trie_nodes(rows, tree_size=tree_size)
     return _select(tokens, parents, weights, depth, tree_size=tree_size, n=n)
+
+
+def _order(tokens: list[int], parents: list[int], weights: list[int], *, tree_size: int, n: int) -> Draft:
+    """Order a small tree (parents first) by (weight desc, depth, token, parent's position) and cut it."""
+    depth: list[int] = []
+    for up in parents:
+        depth.append(depth[up] + 1 if up >= 0 else 1)
+    rank = [0] * len(tokens)
+    levels: dict[int, list[int]] = {}
+    for i, d in enumerate(depth):
+        levels.setdefault(d, []).append(i)
+    for d in sorted(levels):  # rank within a level by (weight desc, token, parent's rank)
+        level = levels[d]
+        level.sort(key=lambda i: (-weights[i], tokens[i], rank[parents[i]] if parents[i] >= 0 else -1))
+        for r, i in enumerate(level):
+            rank[i] = r
+    order = sorted(range(len(tokens)), key=lambda i: (-weights[i], depth[i], rank[i]))[:tree_size]
+    position = {i: k for k, i in enumerate(order)}
+    return Draft(
+        np.array([tokens[i] for i in order], dtype=np.int64),
+        np.array([position[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=np.int32),
+        np.array([weights[i] for i in order], dtype=np.int64),
+        int(n),
+    )
 
 
 def _as_rows(continuations: Sequence[Sequence[int] | np.ndarray] | np.ndarray) -> np.ndarray:
     """Return the continuations as a [M, L] int64 array padded with -1, empty rows dropped."""
     if isinstance(continuations, np.ndarray) and continuations.ndim == 2:
         rows = continuations.astype(np.int64, copy=True)
-        rows[np.cumsum(rows < 0, axis=1) > 0] = -1  # everything after a row's first pad is pad
+        pad = rows < 0
+        if (pad[:, :-1] & ~pad[:, 1:]).any():  # everything after a row's first pad is pad
+            first = np.where(pad.any(axis=1), pad.argmax(axis=1), rows.shape[1])
+            rows[np.arange(rows.shape[1]) >= first[:, None]] = -1
     else:
         seqs = [np.asarray(c, dtype=np.int64).reshape(-1) for c in continuations]
         lengths = np.array([s.shape[0] for s in seqs], dtype=np.int64)
@@ -80,35 +136,59 @@ def _sort_order(rows: np.ndarray) -> np.ndarray | None:
     at = np.arange(first.shape[0])
     if not (diff[at, first] & (rows[1:][at, first] < rows[:-1][at, first])).any():
         return None  # REST's suffix-array ranges come sorted
+    if int(rows.max()) >= 2**32 - 1:
+        return np.lexsort(rows.T[::-1])
     packed = np.ascontiguousarray((rows + 1).astype(">u4"))  # big-endian bytes compare like the tokens
     return np.argsort(packed.view(f"S{4 * rows.shape[1]}").ravel(), kind="stable")
 
 
-def _trie_nodes(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Return the trie of `rows` as (tokens, parents, weights, depth); weight = sum of counts through a node."""
+def _trie_nodes(rows: np.ndarray, *, tree_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Return trie nodes of `rows` as (tokens, parents, weights, depth); weight = rows through the node.
+
+    Built level by level over the sorted rows, where each node is a run of rows sharing its path. Once
+    `tree_size` nodes are known, a deeper node only matters if it outweighs the `tree_size`-th heaviest, so
+    lighter runs are not expanded: the result holds the first `tree_size` nodes and is closed under parents.
+    """
     order = _sort_order(rows)
     if order is not None:
-        rows, counts = rows[order], counts[order]
+        rows = rows[order]
     size, width = rows.shape
     first_diff = np.zeros(size, dtype=np.int64)  # first column where a row differs from the one before
     if size > 1:
         diff = rows[1:] != rows[:-1]
         first_diff[1:] = np.where(diff.any(axis=1), diff.argmax(axis=1), width)
-    cols = np.arange(width)
-    starts = first_diff[:, None] <= cols  # [M, L] row opens a new prefix group of length col + 1
-    is_node = starts & (rows >= 0)
-    at = np.arange(size)[:, None]
-    group_start = np.maximum.accumulate(np.where(starts, at, 0), axis=0)  # [M, L]
-    next_start = np.minimum.accumulate(np.where(starts, at, size)[::-1], axis=0)[::-1]
-    group_end = np.vstack([next_start[1:], np.full((1, width), size)])  # [M, L] exclusive end row
-    node_col, node_row = np.nonzero(is_node.T)  # by depth, then row
-    ids = np.full((size, width), -1, dtype=np.int64)
-    ids[node_row, node_col] = np.arange(node_row.shape[0])
-    cum = np.concatenate(([0], np.cumsum(counts)))
-    weights = cum[group_end[node_row, node_col]] - cum[node_row]
-    parent_col = np.maximum(node_col - 1, 0)
-    parents = np.where(node_col > 0, ids[group_start[node_row, parent_col], parent_col], -1)
-    return rows[node_row, node_col], parents, weights, node_col + 1
+    columns = np.ascontiguousarray(rows.T)  # [L, M]
+    active = np.ones(size, dtype=bool)  # rows inside nodes still worth expanding
+    levels: list[tuple[np.ndarray, np.ndarray]] = []  # (first rows, parents) of each depth's nodes
+    known = np.zeros(0, dtype=np.int64)  # weights of all nodes so far
+    floor, count = 0, 0  # deeper nodes must outweigh `floor`
+    for j in range(width):
+        runs = np.flatnonzero(first_diff <= j)  # [G] first rows of the runs sharing j + 1 tokens
+        weights = np.diff(runs, append=size)
+        pick = (columns[j, runs] >= 0) & active[runs] & (weights > floor)
+        starts, weights = runs[pick], weights[pick]
+        if not starts.shape[0]:
+            break
+        parents = np.full(starts.shape[0], -1, dtype=np.int64)
+        if j:  # a node's parent is the last node one level up starting at or before its first row
+            above = levels[-1][0]
+            parents = count - above.shape[0] + np.searchsorted(above, starts, side="right") - 1
+        levels.append((starts, parents))
+        count += starts.shape[0]
+        known = np.concatenate((known, weights))
+        if known.shape[0] >= tree_size:
+            floor = int(np.partition(known, known.shape[0] - tree_size)[known.shape[0] - tree_size])
+        grow = weights > floor
+        edges = np.bincount(starts[grow], minlength=size + 1) - np.bincount(
+            starts[grow] + weights[grow], minlength=size + 1
+        )
+        active = np.cumsum(edges[:size]) > 0
+    if not levels:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    depth = np.concatenate([np.full(lv[0].shape[0], d + 1) for d, lv in enumerate(levels)])
+    tokens = np.concatenate([columns[d, lv[0]] for d, lv in enumerate(levels)])
+    return tokens, np.concatenate([lv[1] for lv in levels]), known, depth
 
 
 def _select(
@@ -122,12 +202,19 @@ def _select(
     if size > tree_size:  # a cheap cut on (weight desc, depth) before the exact order
         coarse = -weights * (int(depth.max()) + 1) + depth
         keep = np.flatnonzero(coarse <= np.partition(coarse, tree_size - 1)[tree_size - 1])
-    level_rank = np.zeros(size, dtype=np.int64)
-    for d in range(1, int(depth[keep].max()) + 1):
-        at = keep[depth[keep] == d]
-        parent_rank = np.where(parents[at] >= 0, level_rank[np.maximum(parents[at], 0)], -1)
-        level_rank[at[np.lexsort((parent_rank, tokens[at], -weights[at]))]] = np.arange(at.shape[0])
-    order = keep[np.lexsort((level_rank[keep], depth[keep], -weights[keep]))][:tree_size]
+    by = (tokens[keep], depth[keep], -weights[keep])
+    order = keep[np.lexsort(by)]
+    same = [np.diff(a[order]) == 0 for a in (weights, depth, tokens)]
+    if (same[0] & same[1] & same[2]).any():  # equal tokens under different parents: order by the parents
+        position = np.zeros(size, dtype=np.int64)
+        for _ in range(int(depth[keep].max())):  # depth d is settled after d rounds; usually one suffices
+            position[order] = np.arange(order.shape[0])
+            parent_position = np.where(parents[keep] >= 0, position[np.maximum(parents[keep], 0)], -1)
+            again = keep[np.lexsort((parent_position, *by))]
+            if np.array_equal(again, order):
+                break
+            order = again
+    order = order[:tree_size]
     position = np.full(size, -1, dtype=np.int64)
     position[order] = np.arange(order.shape[0])
     new_parents = np.where(parents[order] >= 0, position[np.maximum(parents[order], 0)], -1)
@@ -147,7 +234,6 @@ def merge_drafts(
     slot: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     tokens: list[int] = []
     parents: list[int] = []
-    depth: list[int] = []
     mass: list[float] = []
     n = 0
     for draft, share in zip(drafts, shares, strict=True):
@@ -164,21 +250,13 @@ def merge_drafts(
             if j == len(tokens):
                 tokens.append(token)
                 parents.append(up)
-                depth.append(depth[up] + 1 if up >= 0 else 1)
                 mass.append(0.0)
             local.append(j)
         total = sum(w for w, p in zip(weight, draft.parents.tolist(), strict=True) if p < 0) or 1.0
         for i, j in enumerate(local):
             mass[j] += share * weight[i] / total
-    weights = np.maximum(np.rint(np.array(mass) * MERGE_SCALE), 1).astype(np.int64)
-    return _select(
-        np.array(tokens, dtype=np.int64),
-        np.array(parents, dtype=np.int64),
-        weights,
-        np.array(depth, dtype=np.int64),
-        tree_size=tree_size,
-        n=n,
-    )
+    weights = [max(1, round(m * MERGE_SCALE)) for m in mass]
+    return _order(tokens, parents, weights, tree_size=tree_size, n=n)
 
 
 class NoneDrafter:
@@ -216,19 +294,17 @@ class PromptDrafter:
         top = min(self.max_ngram, size - 1)
         if top < self.min_ngram or max_nodes <= 0:
             return None
-        ends = np.flatnonzero(ctx[: size - 1] == ctx[size - 1])  # earlier occurrences of the last token
-        length = np.ones(ends.shape[0], dtype=np.int64)  # matched suffix length at each occurrence
-        alive = np.ones(ends.shape[0], dtype=bool)
-        for k in range(1, top):
-            back = ends - k
-            alive &= (back >= 0) & (ctx[np.maximum(back, 0)] == ctx[size - 1 - k])
-            if not alive.any():
+        hits = np.flatnonzero(ctx[: size - 1] == ctx[size - 1])  # earlier ends of the last token
+        best = 1
+        for k in range(1, top):  # extend the match backwards while some occurrence keeps up
+            back = hits - k
+            longer = hits[(back >= 0) & (ctx[np.maximum(back, 0)] == ctx[size - 1 - k])]
+            if not longer.shape[0]:
                 break
-            length += alive
-        best = int(length.max(initial=0))
-        if best < self.min_ngram:
+            hits, best = longer, k + 1
+        if best < self.min_ngram or not hits.shape[0]:
             return None
-        starts = ends[length >= best][::-1][: self.max_matches] + 1  # most recent first
+        starts = hits[::-1][: self.max_matches] + 1  # most recent first
         at = starts[:, None] + np.arange(self.continuation_length)  # [M, L]
         rows = np.where(at < size, ctx[np.minimum(at, size - 1)], -1)
         tree = build_draft(rows, tree_size=max_nodes, n=best)

@@ -22,6 +22,9 @@ from crest.drafters import (
     NoneDrafter,
     PromptDrafter,
     StoreDrafter,
+    _as_rows,
+    _large_draft,
+    _small_draft,
     build_draft,
     make_drafter,
     merge_drafts,
@@ -86,6 +89,23 @@ def test_build_draft_equals_reference_trie(conts: list[list[int]], size: int, bi
     draft = build_draft(conts, tree_size=size, n=3)
     check_invariants(draft, size)
     assert same(draft, reference_tree([c for c in conts if c], size, 3))
+
+
+@pytest.mark.parametrize("builder", [_small_draft, _large_draft], ids=["dict", "numpy"])
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2), max_size=6), min_size=1, max_size=120),
+    st.integers(1, 70),
+    st.sampled_from([1, BIG]),
+)
+def test_both_trie_builders_equal_reference(builder: object, conts: list[list[int]], size: int, scale: int) -> None:
+    conts = [[scale * t for t in c] for c in conts]
+    rows = _as_rows(conts)
+    if not rows.shape[0]:
+        return
+    draft = builder(rows, tree_size=size, n=1)  # type: ignore[operator]
+    check_invariants(draft, size)
+    assert same(draft, reference_tree([c for c in conts if c], size, 1))
 
 
 @settings(max_examples=150, deadline=None)
