@@ -47,11 +47,12 @@ def _dense_rank(keys: np.ndarray) -> np.ndarray:
     """Return 1-based dense ranks of `keys` (0 stays free for "past the document end")."""
     order = np.argsort(keys)
     ordered = keys[order]
-    new = np.empty(keys.shape[0], dtype=np.int64)
-    new[:1] = 1
+    new = np.empty(keys.shape[0], dtype=bool)
+    new[:1] = True
     np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    del ordered
     rank = np.empty(keys.shape[0], dtype=np.int64)
-    rank[order] = np.cumsum(new)
+    rank[order] = np.cumsum(new, dtype=np.int64)
     return rank
 
 
@@ -71,9 +72,11 @@ def sort_suffixes(tokens: np.ndarray, doc_offsets: np.ndarray, *, key_length: in
     rem = _remaining(doc_offsets, size, key_length)
     bits = (int(tokens.max()) + 1).bit_length()
     span = min(key_length, 63 // bits)
+    shifted_ids = tokens.astype(np.int64) + 1  # token + 1, so 0 means past the document end
     keys = np.zeros(size, dtype=np.int64)
-    for j in range(span):  # pack the first tokens, token + 1 so 0 means past the document end
-        keys = (keys << bits) | _shifted(tokens.astype(np.int64) + 1, rem, j)
+    for j in range(span):  # pack the first tokens
+        keys = (keys << bits) | _shifted(shifted_ids, rem, j)
+    del shifted_ids
     rank_bits = (size + 1).bit_length()
     while span < key_length:
         rank = _dense_rank(keys)

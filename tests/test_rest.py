@@ -164,3 +164,32 @@ def test_rest_empty_corpus_and_bad_inputs(tmp_path: Path) -> None:
     (tmp_path / "ix" / "sa.npy").write_bytes(b"garbage")
     with pytest.raises(ConfigError):
         RestIndex.load(tmp_path / "ix")
+
+
+DOCS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox is quick.",
+    "import json\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+]
+
+
+@pytest.mark.slow
+def test_rest_and_prompt_drafts_on_real_tokens(smollm2_gguf: Path) -> None:
+    from crest.drafters import MergedDrafter, PromptDrafter
+    from crest.tokenize import load_tokenizer
+
+    tok = load_tokenizer(smollm2_gguf)
+    docs = [tok.encode(d) for d in DOCS]
+    index = RestIndex.build(*flatten(docs))
+    rest = RestDrafter(index)
+    for doc in docs:
+        for cut in range(3, len(doc) - 1, 5):
+            draft = rest.draft(doc[:cut], 64)
+            check_invariants(draft, 64)
+            assert draft is not None and doc[cut] in draft.tokens[draft.parents < 0].tolist()
+    context = tok.encode("Write it again: " + DOCS[2] + "import json\n\ndef")
+    merged = MergedDrafter(rest, PromptDrafter()).draft(context, 16)
+    check_invariants(merged, 16)
+    want = tok.encode(" load(path):")
+    assert merged is not None and merged.paths()[len(want) - 1] == want  # both trees agree on this path
