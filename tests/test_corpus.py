@@ -84,6 +84,14 @@ def _record_end(data: bytes, start: int) -> int:
     return len(text[:end].encode("utf-8"))
 
 
+def test_array_without_closing_bracket_keeps_all_records(tmp_path: Path) -> None:
+    path = tmp_path / "open.json"
+    path.write_text('[{"text": "a"}, {"text": "b"},\n')
+    docs, rep = read_all(str(path))
+    assert docs == ["a", "b"] and rep.dropped_records == 0
+    assert "array not closed after record 2" in rep.summary()
+
+
 def test_jsonl_text_messages_and_conversations(jsonl_file: Path) -> None:
     docs, rep = read_all(str(jsonl_file))
     assert docs == ["The first document.\nIt has two lines.", "Hi there", "Hello!", "One more"]
@@ -106,6 +114,12 @@ def test_glob_with_explicit_format_parses_each_match(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "2.jsonl", [{"text": "two"}, {"text": "three"}])
     assert read_all(str(tmp_path / "*.jsonl"), fmt="jsonl")[0] == ["one", "two", "three"]
     assert read_all(str(tmp_path / "*.jsonl"))[0] == ['{"text": "one"}\n', '{"text": "two"}\n{"text": "three"}\n']
+
+
+def test_existing_name_with_glob_characters_is_a_file(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "part[1].jsonl", [{"text": "literal"}])
+    assert detect_format(path) == "jsonl"
+    assert read_all(str(path))[0] == ["literal"]
 
 
 def test_several_inputs_in_order(sharegpt_file: Path, jsonl_file: Path) -> None:
