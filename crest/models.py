@@ -110,10 +110,25 @@ def precheck(path_spec: str) -> None:
             kind = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
         except (OSError, ValueError):
             return
+    elif not path.exists() and not _in_hf_cache(path_spec):
+        raise ModelError(
+            f"no model directory or .gguf file at {path_spec!r}, and no model of that name in the local "
+            "Hugging Face cache (nothing is downloaded)"
+        )
     if kind is not None and kind not in SUPPORTED:
         raise ModelError(
             f"model type {kind!r} is not supported by the tree verifier (supported: {', '.join(SUPPORTED)})"
         )
+
+
+def _in_hf_cache(name: str) -> bool:
+    """Return whether a Hugging Face model `name` has a config in the local cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:
+        return False
 
 
 def load_model(

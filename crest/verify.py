@@ -237,11 +237,6 @@ class TextTracker:
         self.sent = ""
         self.searched = 0  # text length already searched for stop strings
 
-    @property
-    def active(self) -> bool:
-        """Return whether anything needs the text during generation."""
-        return bool(self.stop) or self.on_text is not None
-
     def decode(self, ids: Sequence[int]) -> str:
         """Return the text of `ids` without special tokens."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))

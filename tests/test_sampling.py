@@ -1,0 +1,152 @@
+"""Sampling is lossless: speculative sampling through a draft tree has the distribution of plain sampling
+(chi-square against the exact distribution, with the power to reject a biased rule), and the logits
+processing matches transformers' own warpers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from crest_client.draft import Draft
+
+from crest.verify import SpeculativeGenerator
+from tests.fix_models import IdTokenizer, tiny_model
+
+torch.set_num_threads(1)
+
+SAMPLING = [
+    {"temperature": 0.9, "top_k": 0, "top_p": 1.0},
+    {"temperature": 1.3, "top_k": 4, "top_p": 0.9},
+]
+
+
+def hf_distribution(model: Any, ids: list[int], options: dict[str, Any]) -> np.ndarray:
+    """Return the next-token distribution `generate` samples from, through transformers' own warpers."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(options["temperature"])])
+    if options["top_k"]:
+        warpers.append(TopKLogitsWarper(options["top_k"]))
+    if options["top_p"] < 1.0:
+        warpers.append(TopPLogitsWarper(options["top_p"]))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[:, -1].float()
+        scores = warpers(torch.LongTensor([ids]), logits)
+    return scores.double().softmax(dim=-1)[0].numpy()
+
+
+def two_token_distribution(model: Any, prompt: list[int], options: dict[str, Any]) -> np.ndarray:
+    """Return the exact joint distribution [V, V] of the first two sampled tokens."""
+    first = hf_distribution(model, prompt, options)
+    return np.stack([first[a] * hf_distribution(model, prompt + [a], options) for a in range(first.shape[0])])
+
+
+def two_token_counts(gen: SpeculativeGenerator, prompt: list[int], draft: Draft, trials: int, **options: Any):
+    """Return the counts [V, V] of the first two tokens over `trials` seeded speculative generations."""
+
+    class Fixed:
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft:
+            return draft
+
+    counts = np.zeros((gen.vocab, gen.vocab))
+    for seed in range(trials):
+        out = gen.generate(prompt, drafter=Fixed(), max_new_tokens=2, seed=seed, **options).output_token_ids
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Return the chi-square p-value of counts against probabilities (cells expecting < 5 pooled)."""
+    from scipy.stats import chisquare
+
+    expected = probs.ravel() * counts.sum()
+    small = expected < 5
+    observed = np.append(counts.ravel()[~small], counts.ravel()[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+def sampling_setup() -> tuple[Any, SpeculativeGenerator, list[int], Draft]:
+    model = tiny_model("llama", seed=5, vocab=6)
+    model.generation_config.eos_token_id = None  # two tokens always, for the joint distribution
+    prompt = [1, 2, 3]
+    top = int(np.argmax(hf_distribution(model, prompt, SAMPLING[0])))
+    tokens = [top, (top + 1) % 6, (top + 2) % 6, 0, 1, 2, 4]
+    draft = Draft(np.array(tokens), np.array([-1, -1, -1, 0, 0, 1, 3], dtype=np.int32), np.arange(7, 0, -1), 1)
+    return model, SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=7), prompt, draft
+
+
+@pytest.mark.parametrize("options", SAMPLING, ids=["temperature", "top-k-top-p"])
+def test_sampled_tokens_have_the_distribution_of_plain_sampling(options: dict[str, Any]) -> None:
+    model, gen, prompt, draft = sampling_setup()
+    counts = two_token_counts(gen, prompt, draft, 1500, **options)
+    pvalue = chi_square_pvalue(counts, two_token_distribution(model, prompt, options))
+    assert pvalue > 1e-3, pvalue
+
+
+def test_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same test catches a rule that accepts any drafted child the target finds plausible (p >= 0.1)."""
+    import crest.verify
+    from crest.sampling import sample_nodes
+
+    model, gen, prompt, draft = sampling_setup()
+    seen: dict[str, torch.Tensor] = {}
+
+    def spy(probs: torch.Tensor, generator: torch.Generator | None = None) -> list[int]:
+        seen["probs"] = probs
+        return sample_nodes(probs, generator)
+
+    def lenient(picks: Sequence[int], kids: list[dict[int, int]]) -> tuple[list[int], list[int]]:
+        slots: list[int] = []
+        emitted: list[int] = []
+        current = 0
+        while True:
+            plausible = [(t, s) for t, s in kids[current].items() if seen["probs"][current, t] >= 0.1]
+            if not plausible:
+                emitted.append(int(picks[current]))
+                return slots, emitted
+            token, current = plausible[0]
+            slots.append(current)
+            emitted.append(token)
+
+    monkeypatch.setattr(crest.verify, "sample_nodes", spy)
+    monkeypatch.setattr(crest.verify, "accept_greedy", lenient)
+    counts = two_token_counts(gen, prompt, draft, 600, **SAMPLING[0])
+    assert chi_square_pvalue(counts, two_token_distribution(model, prompt, SAMPLING[0])) < 1e-6
+
+
+def test_same_seed_same_output_and_seeds_differ() -> None:
+    model = tiny_model("qwen2", seed=1)
+    gen = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=4)
+    runs = [gen.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=s).output_token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 0.7, "top_k": 0, "top_p": 1.0},
+        {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
+        {"temperature": 1.0, "top_k": 0, "top_p": 0.8},
+        {"temperature": 0.5, "top_k": 10, "top_p": 0.5},
+    ],
+    ids=["temperature", "top-k", "top-p", "all"],
+)
+def test_process_logits_matches_transformers_warpers(options: dict[str, Any]) -> None:
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from crest.sampling import process_logits
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(options["temperature"])])
+    if options["top_k"]:
+        warpers.append(TopKLogitsWarper(options["top_k"]))
+    if options["top_p"] < 1.0:
+        warpers.append(TopPLogitsWarper(options["top_p"]))
+    want = warpers(torch.LongTensor([[0]] * 6), logits.clone()).softmax(dim=-1)
+    torch.testing.assert_close(process_logits(logits, **options), want)
