@@ -1,12 +1,17 @@
-"""Bulk, vectorised construction of continuation trees for the selected n-grams.
+"""Bulk, vectorised construction of the continuation trees of the selected n-grams.
 
-For each n-gram: find its occurrences (one scan of the corpus in chunks; when it occurs more than
-`max_matches` times, keep the occurrences with the smallest seeded hash of their position, a uniform sample
-that does not depend on chunking), take the `continuation_length` tokens after each occurrence (clipped at the
-document end), build the trie of these continuations level by level with `np.unique` (a node's weight is the
-number of continuations through it), and keep the `tree_size` heaviest nodes ordered by (weight desc, depth
-asc, token asc, parent's position asc). Because a parent weighs at least as much as its child and is
-shallower, every parent precedes its children, so any prefix of the list is a subtree.
+For each n-gram: find its occurrences (a chunked scan of the corpus that looks every in-document n-gram key
+up in the sorted selected keys; an n-gram that occurs more than `max_matches` times keeps the `max_matches`
+occurrences with the smallest seeded hash of their position, a uniform sample that depends neither on the
+chunking nor on the other n-grams selected), take the `continuation_length` tokens after each occurrence
+(clipped at the document end), and build the trie of these continuations level by level: the nodes of depth
+d are the distinct (parent node, token) pairs of the continuations still alive, found by one integer sort,
+and a node's weight is the number of continuations through it. A continuation stops growing once its node
+weighs less than a lower bound of its tree's `tree_size`-th heaviest weight, which prunes exactly. The kept
+nodes are ordered by (weight desc, depth asc, token asc, parent's position asc): a parent weighs at least
+as much as its child and is shallower, so it comes first, weights never increase, and every prefix of the
+list is the heaviest subtree of that size. Selected n-grams are processed in groups (one scan each) and the
+tries in batches, so memory follows `scan_occurrences` and `batch_occurrences`, not the corpus size.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from crest_client.draft import Draft
 
-from crest.ngrams import valid_starts, window_keys
+from crest.errors import ConfigError
+from crest.ngrams import check_offsets, iter_chunks, run_starts, window_keys
 
-_LEVELS = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096, 1 << 16, 1 << 20])
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_HALF = np.uint64(1 << 63)
 
 
 @dataclass
@@ -31,7 +38,26 @@ class TreeBatch:
     offsets: np.ndarray  # [B + 1] int64
     tokens: np.ndarray  # [N] int32
     parents: np.ndarray  # [N] int32, -1 = child of the root, else index within the same tree
-    weights: np.ndarray  # [N] int64
+    weights: np.ndarray  # [N] int64, continuations through the node, non-increasing within a tree
+    occurrences: np.ndarray  # [B] int64, in-document occurrences of the n-gram: the corpus positions it covers
+    matches: np.ndarray  # [B] int64, occurrences whose continuations built the tree (after sampling)
+
+    def __len__(self) -> int:
+        return int(self.ngram_index.shape[0])
+
+    def draft(self, j: int, n: int = 0) -> Draft:
+        """Return tree j as a Draft matched on an n-token context suffix."""
+        lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
+        return Draft(self.tokens[lo:hi].astype(np.int64), self.parents[lo:hi].copy(), self.weights[lo:hi].copy(), n)
+
+
+@dataclass
+class Occurrences:
+    """Sampled occurrences of K n-grams, grouped by n-gram, positions ascending within a group."""
+
+    ngram: np.ndarray  # [M] int64, index into the n-grams, non-decreasing
+    position: np.ndarray  # [M] int64, corpus position of the n-gram's first token
+    found: np.ndarray  # [K] int64, in-document occurrences of each n-gram before sampling
 
 
 def position_hash(positions: np.ndarray, seed: int) -> np.ndarray:
@@ -43,63 +69,214 @@ def position_hash(positions: np.ndarray, seed: int) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def lex_order(columns: list[np.ndarray]) -> np.ndarray:
+    """Return the permutation sorting rows by non-negative int columns (first most significant), ties by row."""
+    size = int(columns[0].shape[0])
+    if size == 0:
+        return np.zeros(0, dtype=np.int64)
+    widths = [int(col.max()).bit_length() for col in columns]
+    index_bits = (size - 1).bit_length()
+    if sum(widths) > 64:
+        return np.lexsort(columns[::-1])
+    key = np.zeros(size, dtype=np.uint64)
+    for col, bits in zip(columns, widths, strict=True):
+        key <<= np.uint64(bits)
+        key |= col.astype(np.uint64)
+    if sum(widths) + index_bits > 64:
+        return np.argsort(key, kind="stable")
+    key <<= np.uint64(index_bits)
+    key |= np.arange(size, dtype=np.uint64)
+    key.sort()  # a value sort with the row in the low bits: faster than argsort, ties by row
+    return (key & np.uint64((1 << index_bits) - 1)).astype(np.int64)
+
+
 def _first_per_group(groups: np.ndarray, limit: int) -> np.ndarray:
     """Return a mask keeping the first `limit` entries of each run of equal values in sorted `groups`."""
-    if groups.shape[0] == 0:
-        return np.zeros(0, dtype=bool)
-    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+    starts = run_starts(groups)
     run_start = np.repeat(starts, np.diff(np.r_[starts, groups.shape[0]]))
     return (np.arange(groups.shape[0]) - run_start) < limit
+
+
+def _ranges(sizes: np.ndarray, limit: int, max_items: int | None = None) -> Iterator[tuple[int, int]]:
+    """Yield consecutive index ranges whose sizes sum to at most `limit` (or hold one item), of <= max_items."""
+    ends = np.cumsum(sizes)
+    lo, total = 0, int(sizes.shape[0])
+    while lo < total:
+        before = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, before + limit, side="right")))
+        hi = min(hi, total, lo + max_items) if max_items else min(hi, total)
+        yield lo, hi
+        lo = hi
+
+
+class _Lookup:
+    """A set of distinct n-gram keys answering which n-gram (if any) a key is.
+
+    Packed keys go into an open-addressing hash table (multiplicative hash, linear probing, load <= 1/4)
+    probed for all queries at once; void keys of wide n-grams fall back to binary search.
+    """
+
+    def __init__(self, grams: np.ndarray, vocab: int) -> None:
+        count, n = grams.shape
+        self.keys = window_keys(grams.ravel(), np.arange(0, count * n, n), n, vocab)
+        order = np.argsort(self.keys, kind="stable")
+        if count > 1 and np.any(self.keys[order[1:]] == self.keys[order[:-1]]):
+            raise ConfigError("the n-grams to build trees for contain duplicates")
+        self.hashed = self.keys.dtype == np.uint64
+        if not self.hashed:
+            self.order, self.sorted = order, self.keys[order]
+            return
+        self.bits = max(4, (4 * count - 1).bit_length())
+        self.slots = np.full(1 << self.bits, -1, dtype=np.int64)  # [P] n-gram index, -1 = empty
+        self.padded = np.r_[self.keys, np.uint64(0)]  # index -1 reads the pad; its match is masked off
+        pending, slot = np.arange(count), self._home(self.keys)
+        while pending.shape[0]:
+            free = self.slots[slot] < 0
+            taken, first = np.unique(slot[free], return_index=True)  # one winner per free slot
+            winners = pending[free][first]
+            self.slots[taken] = winners
+            lost = np.ones(pending.shape[0], dtype=bool)
+            lost[np.flatnonzero(free)[first]] = False
+            pending, slot = pending[lost], (slot[lost] + 1) & (self.slots.shape[0] - 1)
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - self.bits)).astype(np.int64)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Return the n-gram index of each key, or -1."""
+        if self.keys.shape[0] == 0:
+            return np.full(keys.shape[0], -1, dtype=np.int64)
+        if not self.hashed:
+            at = np.minimum(np.searchsorted(self.sorted, keys), self.sorted.shape[0] - 1)
+            return np.where(self.sorted[at] == keys, self.order[at], -1)
+        slot = self._home(keys)
+        idx = self.slots[slot]
+        hit = (self.padded[idx] == keys) & (idx >= 0)
+        out = np.where(hit, idx, -1)
+        probing = np.flatnonzero(~hit & (idx >= 0))  # the home slot holds another key: probe on
+        slot = slot[probing]
+        while probing.shape[0]:
+            slot = (slot + 1) & (self.slots.shape[0] - 1)
+            idx = self.slots[slot]
+            hit = (self.padded[idx] == keys[probing]) & (idx >= 0)
+            out[probing[hit]] = idx[hit]
+            more = ~hit & (idx >= 0)
+            probing, slot = probing[more], slot[more]
+        return out
+
+
+def _scan(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    grams: np.ndarray,
+    *,
+    vocab: int,
+    chunk_tokens: int,
+    threshold: np.ndarray | None = None,
+    seed: int = 0,
+    collect: bool = True,
+) -> Occurrences:
+    """Find every occurrence of `grams`; keep those whose hash >> 1 is below `threshold` (per n-gram), in order."""
+    lookup = _Lookup(grams, vocab)
+    count, n = grams.shape
+    found = np.zeros(count, dtype=np.int64)
+    sels: list[np.ndarray] = []
+    poss: list[np.ndarray] = []
+    for _, keys, starts in iter_chunks(tokens, offsets, n=n, vocab_size=vocab, chunk_tokens=chunk_tokens):
+        sel = lookup.find(keys)
+        hit = sel >= 0
+        sel, pos = sel[hit], starts[hit]
+        found += np.bincount(sel, minlength=count)
+        if not collect:
+            continue
+        if threshold is not None:
+            capped = np.flatnonzero(threshold[sel] < _HALF)
+            keep = np.ones(sel.shape[0], dtype=bool)
+            keep[capped] = (position_hash(pos[capped], seed) >> np.uint64(1)) < threshold[sel[capped]]
+            sel, pos = sel[keep], pos[keep]
+        sels.append(sel)
+        poss.append(pos)
+    empty = np.zeros(0, dtype=np.int64)
+    return Occurrences(np.concatenate([empty, *sels]), np.concatenate([empty, *poss]), found)
+
+
+def _expected_sample(counts: np.ndarray, max_matches: int) -> np.ndarray:
+    """Return how many occurrences of each n-gram the thresholded scan is planned to keep (8 sigma margin)."""
+    margin = max_matches + 8.0 * np.sqrt(max_matches) + 16.0
+    return np.minimum(counts, int(np.ceil(margin))).astype(np.int64)
 
 
 def find_occurrences(
     tokens: np.ndarray,
     doc_offsets: np.ndarray,
-    keys: np.ndarray,
+    ngrams: np.ndarray,
     *,
-    n: int,
-    vocab_size: int,
+    vocab_size: int | None = None,
     counts: np.ndarray | None = None,
     max_matches: int = 5000,
     seed: int = 0,
-    chunk_tokens: int = 1 << 23,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Return (ngram index, position) of up to `max_matches` sampled occurrences per key, unordered."""
-    order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-    # only n-grams known (or not known not) to occur more than max_matches times need sampling
-    heavy = np.ones(keys.shape[0], dtype=bool) if counts is None else np.asarray(counts) > max_matches
-    sel_bits = max(1, int(keys.shape[0]).bit_length())
-    pri_shift = np.uint64(sel_bits)
-    total = int(tokens.shape[0])
-    offsets = np.asarray(doc_offsets, dtype=np.int64)
-    light_sel: list[np.ndarray] = []
-    light_pos: list[np.ndarray] = []
-    heavy_sel = np.zeros(0, dtype=np.int64)
-    heavy_pos = np.zeros(0, dtype=np.int64)
-    for lo in range(0, total, chunk_tokens):
-        hi = min(total, lo + chunk_tokens)
-        window = np.asarray(tokens[lo : min(total, hi + n - 1)])
-        starts = valid_starts(offsets, lo, hi, n)
-        if starts.shape[0] and sorted_keys.shape[0]:
-            chunk_keys = window_keys(window, starts - lo, n, vocab_size)
-            at = np.minimum(np.searchsorted(sorted_keys, chunk_keys), sorted_keys.shape[0] - 1)
-            hit = sorted_keys[at] == chunk_keys
-            sel, pos = order[at[hit]].astype(np.int64), starts[hit]
-            is_heavy = heavy[sel]
-            light_sel.append(sel[~is_heavy])
-            light_pos.append(pos[~is_heavy])
-            heavy_sel = np.concatenate([heavy_sel, sel[is_heavy]])
-            heavy_pos = np.concatenate([heavy_pos, pos[is_heavy]])
-        if heavy_sel.shape[0] > 2 * chunk_tokens or (hi == total and heavy_sel.shape[0]):
-            # bottom-k by seeded hash per n-gram: one sort of (n-gram, hash prefix) packed in a uint64
-            packed = (heavy_sel.astype(np.uint64) << np.uint64(64 - sel_bits)) | (
-                position_hash(heavy_pos, seed) >> pri_shift
-            )
-            by = np.argsort(packed)
-            keep = by[_first_per_group(heavy_sel[by], max_matches)]
-            heavy_sel, heavy_pos = heavy_sel[keep], heavy_pos[keep]
-    return np.concatenate([*light_sel, heavy_sel]), np.concatenate([*light_pos, heavy_pos])
+    chunk_tokens: int = 1 << 22,
+) -> Occurrences:
+    """Return the in-document occurrences of `ngrams` ([K, n]), a seeded sample of `max_matches` where more."""
+    grams = np.asarray(ngrams, dtype=np.int64)
+    if grams.ndim != 2 or grams.shape[1] < 1:
+        raise ConfigError(f"ngrams must be a [K, n] array with n >= 1, got shape {grams.shape}")
+    if max_matches < 1:
+        raise ConfigError(f"max_matches must be positive, got {max_matches}")
+    offsets = check_offsets(doc_offsets, int(tokens.shape[0]))
+    vocab = _vocabulary(tokens, grams, vocab_size)
+    if counts is None:
+        counts = _scan(tokens, offsets, grams, vocab=vocab, chunk_tokens=chunk_tokens, collect=False).found
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+    if counts.shape[0] != grams.shape[0]:
+        raise ConfigError(f"counts has {counts.shape[0]} entries for {grams.shape[0]} n-grams")
+    # keep an occurrence of a frequent n-gram only when its hash is small enough that about
+    # max_matches + 8 sigma survive; the exact bottom-max_matches is taken from the survivors
+    planned = _expected_sample(counts, max_matches)
+    share = planned / np.maximum(counts, 1)
+    threshold = np.where(planned < counts, (share * 2.0**63).astype(np.uint64), _HALF)  # [K] keep if hash >> 1 <
+    occ = _scan(tokens, offsets, grams, vocab=vocab, chunk_tokens=chunk_tokens, threshold=threshold, seed=seed)
+    sel, pos = occ.ngram, occ.position
+    kept = np.bincount(sel, minlength=grams.shape[0])
+    short = np.flatnonzero(kept < np.minimum(occ.found, max_matches))  # the margin failed (or counts were off)
+    if short.shape[0]:
+        again = _scan(tokens, offsets, grams[short], vocab=vocab, chunk_tokens=chunk_tokens)
+        drop = np.isin(sel, short)
+        sel = np.concatenate([sel[~drop], short[again.ngram]])
+        pos = np.concatenate([pos[~drop], again.position])
+        kept = np.bincount(sel, minlength=grams.shape[0])
+    full = kept > max_matches
+    if full.any():  # bottom-max_matches by (hash, position) among the n-grams with too many
+        over = np.flatnonzero(full[sel])
+        order = over[np.lexsort((pos[over], position_hash(pos[over], seed), sel[over]))]
+        keep = np.ones(sel.shape[0], dtype=bool)
+        keep[order[~_first_per_group(sel[order], max_matches)]] = False
+        sel, pos = sel[keep], pos[keep]
+    return Occurrences(*_sort_pairs(sel, pos), occ.found)
+
+
+def _sort_pairs(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return the non-negative pairs sorted by (major, minor): one value sort of packed keys when they fit."""
+    if major.shape[0] == 0:
+        return major, minor
+    low = int(minor.max()).bit_length()
+    if int(major.max()).bit_length() + low > 64:
+        order = np.lexsort((minor, major))
+        return major[order], minor[order]
+    key = (major.astype(np.uint64) << np.uint64(low)) | minor.astype(np.uint64)
+    key.sort()
+    return (key >> np.uint64(low)).astype(np.int64), (key & np.uint64((1 << low) - 1)).astype(np.int64)
+
+
+def _vocabulary(tokens: np.ndarray, grams: np.ndarray, vocab_size: int | None) -> int:
+    """Return the vocabulary size to pack keys with: the given one, else one past the largest id seen."""
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ConfigError(f"vocab_size must be positive, got {vocab_size}")
+        return int(vocab_size)
+    top = int(tokens.max()) if tokens.shape[0] else 0
+    return max(top, int(grams.max()) if grams.size else 0) + 1
 
 
 def build_trees(
@@ -114,137 +291,160 @@ def build_trees(
     max_matches: int = 5000,
     tree_size: int = 64,
     seed: int = 0,
-    batch_occurrences: int = 1 << 21,
-    chunk_tokens: int = 1 << 23,
+    batch_size: int = 1 << 16,
+    batch_occurrences: int = 1 << 20,
+    scan_occurrences: int = 1 << 24,
+    chunk_tokens: int = 1 << 22,
 ) -> Iterator[TreeBatch]:
-    """Yield the continuation trees of `ngrams` ([K, n] int32) in batches, in the order of `ngrams`."""
-    ngrams = np.asarray(ngrams, dtype=np.int64).reshape(-1, n)
-    vocab = int(vocab_size or (int(tokens.max()) + 1 if tokens.shape[0] else 1))
-    vocab = max(vocab, int(ngrams.max()) + 1 if ngrams.size else 1)
-    keys = window_keys(ngrams.ravel(), np.arange(0, ngrams.shape[0] * n, n), n, vocab)
-    sel, pos = find_occurrences(
-        tokens,
-        doc_offsets,
-        keys,
-        n=n,
-        vocab_size=vocab,
-        counts=counts,
-        max_matches=max_matches,
-        seed=seed,
-        chunk_tokens=chunk_tokens,
-    )
-    order = np.argsort(sel, kind="stable")
-    sel, pos = sel[order], pos[order]
-    offsets = np.asarray(doc_offsets, dtype=np.int64)
-    bounds = np.searchsorted(sel, np.arange(ngrams.shape[0] + 1))  # occurrences of n-gram i: bounds[i]:bounds[i+1]
-    lo = 0
-    while lo < ngrams.shape[0]:
-        hi = int(np.searchsorted(bounds, bounds[lo] + batch_occurrences, side="right")) - 1
-        hi = min(ngrams.shape[0], max(hi, lo + 1))
-        a, b = int(bounds[lo]), int(bounds[hi])
-        yield _trie_batch(
-            tokens, offsets, np.arange(lo, hi), sel[a:b] - lo, pos[a:b] + n, continuation_length, tree_size, vocab
+    """Yield the continuation trees of `ngrams` ([K, n] int32) in batches of <= batch_size, in order.
+
+    `counts` (occurrences of each n-gram, as counted by `count_ngrams`) saves one scan of the corpus; a
+    scan gathers the occurrences of n-grams planned to keep at most `scan_occurrences`, and a trie batch
+    holds at most `batch_occurrences` continuations (or one n-gram).
+    """
+    for label, value in (
+        ("n", n),
+        ("continuation_length", continuation_length),
+        ("max_matches", max_matches),
+        ("tree_size", tree_size),
+        ("batch_size", batch_size),
+        ("batch_occurrences", batch_occurrences),
+        ("scan_occurrences", scan_occurrences),
+        ("chunk_tokens", chunk_tokens),
+    ):
+        if value < 1:
+            raise ConfigError(f"{label} must be positive, got {value}")
+    grams = np.asarray(ngrams, dtype=np.int64).reshape(-1, n)
+    offsets = check_offsets(doc_offsets, int(tokens.shape[0]))
+    vocab = _vocabulary(tokens, grams, vocab_size)
+    if counts is None:
+        counts = _scan(tokens, offsets, grams, vocab=vocab, chunk_tokens=chunk_tokens, collect=False).found
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+    if counts.shape[0] != grams.shape[0]:
+        raise ConfigError(f"counts has {counts.shape[0]} entries for {grams.shape[0]} n-grams")
+    planned = _expected_sample(counts, max_matches)
+    for g0, g1 in _ranges(planned, scan_occurrences):
+        occ = find_occurrences(
+            tokens,
+            offsets,
+            grams[g0:g1],
+            vocab_size=vocab,
+            counts=counts[g0:g1],
+            max_matches=max_matches,
+            seed=seed,
+            chunk_tokens=chunk_tokens,
         )
-        lo = hi
+        bounds = np.searchsorted(occ.ngram, np.arange(g1 - g0 + 1))  # occurrences of n-gram i: bounds[i]:[i+1]
+        for b0, b1 in _ranges(np.diff(bounds), batch_occurrences, batch_size):
+            a, b = int(bounds[b0]), int(bounds[b1])
+            yield _trie_batch(
+                tokens,
+                offsets,
+                np.arange(g0 + b0, g0 + b1, dtype=np.int64),
+                occ.found[b0:b1],
+                occ.ngram[a:b] - b0,
+                occ.position[a:b] + n,
+                length=continuation_length,
+                size=tree_size,
+            )
+
+
+def _weight_grid(max_weight: int) -> np.ndarray:
+    """Return ascending weight levels for pruning histograms: every weight up to 32, then ratio 1.125."""
+    steps = int(np.ceil(np.log(max(2, max_weight) / 32) / np.log(1.125))) + 1 if max_weight > 32 else 0
+    return np.unique(np.r_[np.arange(1, 33), np.floor(32 * 1.125 ** np.arange(steps + 1))].astype(np.int64))
 
 
 def _trie_batch(
     tokens: np.ndarray,
-    doc_offsets: np.ndarray,
-    ngram_index: np.ndarray,
+    offsets: np.ndarray,
+    index: np.ndarray,
+    occurrences: np.ndarray,
     tree: np.ndarray,
-    cont_start: np.ndarray,
+    start: np.ndarray,
+    *,
     length: int,
-    tree_size: int,
-    vocab: int,
+    size: int,
 ) -> TreeBatch:
-    """Build and prune the tries of one batch; `tree[i]` owns the continuation starting at `cont_start[i]`."""
-    trees = ngram_index.shape[0]
-    doc_end = doc_offsets[np.searchsorted(doc_offsets, cont_start - 1, side="right")]  # [M] end of its document
-    node_tree: list[np.ndarray] = []
-    node_parent: list[np.ndarray] = []
-    node_token: list[np.ndarray] = []
-    node_weight: list[np.ndarray] = []
-    node_depth: list[np.ndarray] = []
-    node_rank: list[np.ndarray] = []  # rank within its level by (tree, weight desc, token, parent's rank)
-    prev_rank = np.zeros(0, dtype=np.int64)
-    parent_of = np.full(cont_start.shape[0], -1, dtype=np.int64)  # [M] node id of each continuation so far
-    alive = np.ones(cont_start.shape[0], dtype=bool)
-    next_id = 0
-    hist = np.zeros((trees, _LEVELS.shape[0]), dtype=np.int64)  # [B, L] nodes per tree per weight level
-    floor = np.ones(trees, dtype=np.int64)  # [B] weight a node needs to be able to make its tree's top tree_size
+    """Build and prune the tries of one batch; `tree[i]` owns the continuation starting at `start[i]`."""
+    trees = index.shape[0]
+    matches = np.bincount(tree, minlength=trees).astype(np.int64)
+    doc_end = offsets[np.searchsorted(offsets, start - 1, side="right")]  # [M] end of the n-gram's document
+    avail = np.minimum(doc_end - start, length)  # [M] continuation length
+    grid = _weight_grid(int(matches.max()) if trees else 1)
+    hist = np.zeros(trees * grid.shape[0], dtype=np.int64)  # [B * G] nodes per tree per weight level
+    floor = np.zeros(trees, dtype=np.int64)  # [B] lower bound of each tree's size-th heaviest weight
+    cur = np.flatnonzero(avail > 0)  # continuations alive
+    node = tree[cur]  # their node at the previous level (level 0: the tree's root)
+    prev_tree = np.arange(trees, dtype=np.int64)  # tree of each previous-level node
+    prev_rank = np.zeros(trees, dtype=np.int64)  # rank of each previous-level node within its tree and level
+    prev_base, base = 0, 0
+    levels: list[tuple[np.ndarray, ...]] = []
     for depth in range(1, length + 1):
-        at = cont_start + depth - 1
-        alive &= at < doc_end
-        if not alive.any():
+        if cur.shape[0] == 0:
             break
-        idx = np.flatnonzero(alive)
-        tok = np.asarray(tokens[at[idx]], dtype=np.int64)
-        owner = np.where(parent_of[idx] >= 0, parent_of[idx] + trees, tree[idx])  # root of tree t is id t
-        pair = owner * vocab + tok
-        uniq, inverse, weight = np.unique(pair, return_inverse=True, return_counts=True)
-        ids = next_id + np.arange(uniq.shape[0], dtype=np.int64)
-        owner_u = uniq // vocab
-        level_tree = np.empty(uniq.shape[0], dtype=np.int64)
-        level_tree[inverse.ravel()] = tree[idx]  # every continuation through a node belongs to its tree
-        level_parent = np.where(owner_u >= trees, owner_u - trees, -1)
-        parent_rank = np.zeros(uniq.shape[0], dtype=np.int64)
-        if prev_rank.shape[0]:
-            parent_rank = prev_rank[np.maximum(level_parent - (next_id - prev_rank.shape[0]), 0)]
-        level_order = np.lexsort((parent_rank, uniq % vocab, -weight, level_tree))
-        prev_rank = np.empty(uniq.shape[0], dtype=np.int64)
-        prev_rank[level_order] = np.arange(uniq.shape[0])
-        node_rank.append(prev_rank)
-        node_parent.append(level_parent)
-        node_tree.append(level_tree)
-        node_token.append(uniq % vocab)
-        node_weight.append(weight.astype(np.int64))
-        node_depth.append(np.full(uniq.shape[0], depth, dtype=np.int64))
-        parent_of[idx] = ids[inverse.ravel()]
-        next_id += uniq.shape[0]
-        # node weights are final when created and a child weighs at most its parent: once a tree has
-        # tree_size nodes of weight >= w, lighter nodes and all their descendants can be dropped exactly
-        np.add.at(hist, (level_tree, np.searchsorted(_LEVELS, weight, side="right") - 1), 1)
-        enough = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1] >= tree_size  # [B, L] >= tree_size nodes at level+
-        floor = np.where(enough.any(axis=1), _LEVELS[enough.shape[1] - 1 - np.argmax(enough[:, ::-1], axis=1)], 1)
-        alive[idx] &= weight[inverse.ravel()] >= floor[tree[idx]]
-    if next_id == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return TreeBatch(
-            ngram_index, np.zeros(trees + 1, dtype=np.int64), empty.astype(np.int32), empty.astype(np.int32), empty
+        tok = np.asarray(tokens[start[cur] + (depth - 1)]).astype(np.int64)
+        perm = lex_order([node, tok])
+        node, tok, cur = node[perm], tok[perm], cur[perm]
+        is_first = np.r_[True, (node[1:] != node[:-1]) | (tok[1:] != tok[:-1])]
+        first = np.flatnonzero(is_first)
+        weight = np.diff(np.r_[first, node.shape[0]])  # [U] continuations through each new node
+        ids = np.cumsum(is_first) - 1  # [A] node of each continuation
+        parent = node[first]
+        owner = prev_tree[parent]
+        heaviest = int(weight.max())
+        order = lex_order([owner, heaviest - weight, tok[first], prev_rank[parent]])
+        ranked_owner = owner[order]
+        rank = np.empty(first.shape[0], dtype=np.int64)
+        rank[order] = np.arange(first.shape[0]) - np.searchsorted(ranked_owner, ranked_owner)
+        global_parent = parent + prev_base if depth > 1 else np.full(first.shape[0], -1, dtype=np.int64)
+        levels.append((owner, global_parent, tok[first], weight, np.full(first.shape[0], depth), rank))
+        # weights are final when a node is made, a descendant weighs at most its ancestor and is deeper than
+        # every node made so far: once a tree has `size` nodes of weight >= f, nothing below a node of
+        # weight <= f can make the tree, and nodes lighter than f cannot either
+        hist += np.bincount(
+            owner * grid.shape[0] + np.searchsorted(grid, weight, side="right") - 1, minlength=hist.shape[0]
         )
-    parent = np.concatenate(node_parent)
-    token = np.concatenate(node_token)
-    weight = np.concatenate(node_weight)
-    depth_all = np.concatenate(node_depth)
-    owner_tree = np.concatenate(node_tree)
-    level_rank = np.concatenate(node_rank)
-    heavy = np.flatnonzero(weight >= floor[owner_tree])
-    order = heavy[_node_order(owner_tree[heavy], weight[heavy], depth_all[heavy], level_rank[heavy])]
-    keep = order[_first_per_group(owner_tree[order], tree_size)]
-    local = np.full(next_id, -1, dtype=np.int64)
-    counts = np.bincount(owner_tree[keep], minlength=trees)
+        reach = np.cumsum(hist.reshape(trees, -1)[:, ::-1], axis=1) >= size  # [B, G] >= size nodes at level+
+        floor = np.where(reach[:, -1], grid[grid.shape[0] - 1 - np.argmax(reach, axis=1)], 0)
+        alive = (weight > floor[owner])[ids] & (avail[cur] > depth)
+        cur, node = cur[alive], ids[alive]
+        prev_tree, prev_rank, prev_base, base = owner, rank, base, base + first.shape[0]
+    return _keep_best(index, occurrences, matches, levels, floor, size)
+
+
+def _keep_best(
+    index: np.ndarray,
+    occurrences: np.ndarray,
+    matches: np.ndarray,
+    levels: list[tuple[np.ndarray, ...]],
+    floor: np.ndarray,
+    size: int,
+) -> TreeBatch:
+    """Keep each tree's `size` best nodes in prefix order and renumber their parents within the tree."""
+    trees = index.shape[0]
+    if not levels:
+        empty = np.zeros(0, dtype=np.int32)
+        return TreeBatch(
+            index, np.zeros(trees + 1, np.int64), empty, empty, empty.astype(np.int64), occurrences, matches
+        )
+    owner, parent, token, weight, depth, rank = (np.concatenate(col) for col in zip(*levels, strict=True))
+    cand = np.flatnonzero(weight >= floor[owner])
+    heaviest = int(weight.max())
+    order = cand[lex_order([owner[cand], heaviest - weight[cand], depth[cand], rank[cand]])]
+    keep = order[_first_per_group(owner[order], size)]
     offsets = np.zeros(trees + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    local[keep] = np.arange(keep.shape[0]) - offsets[owner_tree[keep]]
+    np.cumsum(np.bincount(owner[keep], minlength=trees), out=offsets[1:])
+    local = np.full(owner.shape[0], -1, dtype=np.int64)
+    local[keep] = np.arange(keep.shape[0]) - offsets[owner[keep]]
     kept_parent = parent[keep]
-    parents_local = np.where(kept_parent >= 0, local[np.maximum(kept_parent, 0)], -1)
+    parents = np.where(kept_parent >= 0, local[np.maximum(kept_parent, 0)], -1)
     return TreeBatch(
-        ngram_index=ngram_index.astype(np.int64),
+        ngram_index=index,
         offsets=offsets,
         tokens=token[keep].astype(np.int32),
-        parents=parents_local.astype(np.int32),
-        weights=weight[keep],
+        parents=parents.astype(np.int32),
+        weights=weight[keep].astype(np.int64),
+        occurrences=occurrences.astype(np.int64),
+        matches=matches,
     )
-
-
-def _node_order(tree: np.ndarray, weight: np.ndarray, depth: np.ndarray, level_rank: np.ndarray) -> np.ndarray:
-    """Return the node order (tree, weight desc, depth, rank within the level) with one integer sort when it fits."""
-    wmax = int(weight.max())
-    widths = [int(x.max()).bit_length() for x in (tree, weight, depth, level_rank)]
-    if sum(widths) > 63:
-        return np.lexsort((level_rank, depth, -weight, tree))
-    key = tree.astype(np.int64)
-    for part, bits in ((wmax - weight, widths[1]), (depth, widths[2]), (level_rank, widths[3])):
-        key = (key << bits) | part.astype(np.int64)
-    return np.argsort(key)
