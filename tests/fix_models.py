@@ -81,6 +81,7 @@ def tiny_model(
     seed: int = 0,
     vocab: int = 64,
     max_positions: int = 256,
+    hidden: int = 32,
     dtype: Any = None,
     sliding_window: int | None = None,
     attn_implementation: str = "sdpa",
@@ -94,6 +95,7 @@ def tiny_model(
         kind,
         vocab=vocab,
         max_positions=max_positions,
+        hidden=hidden,
         sliding_window=sliding_window,
         attn_implementation=attn_implementation,
     )

@@ -43,8 +43,8 @@ def test_choose_draft_size_trades_acceptance_for_cost(seconds: list[float], scal
 def test_cost_model_is_monotone_and_extrapolates() -> None:
     from crest.sizing import CostModel
 
-    cost = CostModel([1, 2, 4], [1.0, 0.9, 2.0])
-    np.testing.assert_allclose(cost(np.array([1, 2, 3, 4, 6])), [1.0, 1.0, 1.5, 2.0, 3.0])
+    cost = CostModel([1, 2, 4], [1.3, 0.9, 2.0])  # the slow k = 1 was noise: it costs at most what k = 2 does
+    np.testing.assert_allclose(cost(np.array([1, 2, 3, 4, 6])), [0.9, 0.9, 1.45, 2.0, 3.1])
 
 
 def test_calibration_is_cached_per_model_device_and_dtype() -> None:

@@ -167,24 +167,33 @@ def test_compacted_cache_equals_recomputed_cache(kind: str) -> None:
 @given(
     kind=st.sampled_from(TINY_KINDS),
     dtype=st.sampled_from([torch.float32, torch.float64]),
+    shape=st.sampled_from([(32, 100), (64, 300), (48, 257)]),
     seed=st.integers(0, 10_000),
-    prompt=st.lists(st.integers(0, 62), min_size=1, max_size=12),
+    prompt=st.lists(st.integers(0, 99), min_size=1, max_size=12),
     max_new=st.integers(1, 40),
     size=st.sampled_from([None, 1, 3, 16]),
     truth=st.sampled_from([0.0, 0.8, 1.0]),
 )
 def test_greedy_equals_generate(
-    kind: str, dtype: torch.dtype, seed: int, prompt: list[int], max_new: int, size: int | None, truth: float
+    kind: str,
+    dtype: torch.dtype,
+    shape: tuple[int, int],
+    seed: int,
+    prompt: list[int],
+    max_new: int,
+    size: int | None,
+    truth: float,
 ) -> None:
-    model = tiny_model(kind, seed=seed % 5, dtype=dtype)
+    hidden, vocab = shape
+    model = tiny_model(kind, seed=seed % 5, dtype=dtype, hidden=hidden, vocab=vocab)
     want = plain_greedy(model, prompt, max_new)
     gen = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=size)
-    drafter = TreeDrafter(want + [0] * 10, len(prompt), vocab=64, seed=seed, truth=truth)
+    drafter = TreeDrafter(want + [0] * 10, len(prompt), vocab=vocab, seed=seed, truth=truth)
     got = gen.generate(prompt, drafter=drafter, max_new_tokens=max_new)
     assert_same_greedy(model, prompt, got.output_token_ids, want)
     assert got.new_tokens == len(got.output_token_ids) <= max_new
     assert sum(got.accepted_per_step) == got.new_tokens and got.forward_passes == len(got.accepted_per_step)
-    assert got.stop_reason == ("eos" if want and want[-1] == 63 else "length")
+    assert got.stop_reason == ("eos" if want and want[-1] == vocab - 1 else "length")
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS, ids=list(TINY_KINDS))
