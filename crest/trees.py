@@ -1,17 +1,18 @@
 """Bulk, vectorised construction of the continuation trees of the selected n-grams.
 
-For each n-gram: find its occurrences (a chunked scan of the corpus that looks every in-document n-gram key
-up in the sorted selected keys; an n-gram that occurs more than `max_matches` times keeps the `max_matches`
-occurrences with the smallest seeded hash of their position, a uniform sample that depends neither on the
-chunking nor on the other n-grams selected), take the `continuation_length` tokens after each occurrence
-(clipped at the document end), and build the trie of these continuations level by level: the nodes of depth
-d are the distinct (parent node, token) pairs of the continuations still alive, found by one integer sort,
-and a node's weight is the number of continuations through it. A continuation stops growing once its node
-weighs less than a lower bound of its tree's `tree_size`-th heaviest weight, which prunes exactly. The kept
-nodes are ordered by (weight desc, depth asc, token asc, parent's position asc): a parent weighs at least
-as much as its child and is shallower, so it comes first, weights never increase, and every prefix of the
-list is the heaviest subtree of that size. Selected n-grams are processed in groups (one scan each) and the
-tries in batches, so memory follows `scan_occurrences` and `batch_occurrences`, not the corpus size.
+For each n-gram: find its occurrences (a chunked scan of the corpus that looks every in-document n-gram up
+in a hash table of the selected keys); where there are more than `max_matches`, keep the `max_matches` with
+the smallest seeded hash of their position, a uniform sample that depends neither on the chunking nor on the
+other n-grams selected (the scan already drops hashes far above the expected cut, and rescans in the rare
+case that dropped too many). Take the `continuation_length` tokens after each kept occurrence (clipped at the
+document end) and build the trie level by level: the nodes of depth d are the distinct (parent, token) pairs
+of the continuations still alive, found by one integer sort, and a node's weight is the number of
+continuations through it. A continuation stops once its node weighs no more than a lower bound of its tree's
+`tree_size`-th heaviest weight: every deeper node would rank after all nodes made so far, so pruning is
+exact. The kept nodes are ordered by (weight desc, depth asc, token asc, parent's position asc); a parent
+weighs at least as much as its child and is shallower, so it comes first, weights never increase, and every
+prefix of the list is the heaviest subtree of that size. Selected n-grams are processed in groups (one scan
+each) and the tries in batches, so memory follows `scan_occurrences` and `batch_occurrences`, not the corpus.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _ranges(sizes: np.ndarray, limit: int, max_items: int | None = None) -> Iter
 class _Lookup:
     """A set of distinct n-gram keys answering which n-gram (if any) a key is.
 
-    Packed keys go into an open-addressing hash table (multiplicative hash, linear probing, load <= 1/4)
+    Packed keys go into an open-addressing hash table (multiplicative hash, linear probing, load <= 1/3)
     probed for all queries at once; void keys of wide n-grams fall back to binary search.
     """
 
@@ -126,8 +127,8 @@ class _Lookup:
         if not self.hashed:
             self.order, self.sorted = order, self.keys[order]
             return
-        self.bits = max(4, (4 * count - 1).bit_length())
-        self.slots = np.full(1 << self.bits, -1, dtype=np.int64)  # [P] n-gram index, -1 = empty
+        self.bits = max(4, (3 * count).bit_length())
+        self.slots = np.full(1 << self.bits, -1, dtype=np.int32 if count < 1 << 31 else np.int64)  # [P] -1 = empty
         self.padded = np.r_[self.keys, np.uint64(0)]  # index -1 reads the pad; its match is masked off
         pending, slot = np.arange(count), self._home(self.keys)
         while pending.shape[0]:
@@ -153,7 +154,7 @@ class _Lookup:
         slot = self._home(keys)
         idx = self.slots[slot]
         hit = (self.padded[idx] == keys) & (idx >= 0)
-        out = np.where(hit, idx, -1)
+        out = np.where(hit, idx, -1).astype(np.int64)
         probing = np.flatnonzero(~hit & (idx >= 0))  # the home slot holds another key: probe on
         slot = slot[probing]
         while probing.shape[0]:

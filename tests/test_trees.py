@@ -284,3 +284,18 @@ def test_equal_weights_go_shallower_then_smaller_token(vocab: int) -> None:
     tokens, offsets = flatten(docs)
     (batch,) = build_trees(tokens, offsets, np.array([[vocab - 1, 3]]), n=2, vocab_size=vocab, continuation_length=2)
     assert batch.tokens.tolist() == [7, vocab - 2, vocab - 1]
+
+
+@pytest.mark.parametrize("vocab", [40, 2**31], ids=["hashed", "void-keys-binary-search"])
+def test_occurrence_lookup_finds_every_selected_ngram(vocab: int) -> None:
+    rng = np.random.default_rng(4)
+    ids = np.arange(10) * (vocab // 10)
+    tokens = ids[rng.integers(0, 10, 6000)].astype(np.int32)
+    offsets = np.array([0, 2500, 6000], dtype=np.int64)
+    grams = rng.permutation(np.array([(a, b, c) for a in ids for b in ids for c in ids[::2]]))
+    occ = find_occurrences(tokens, offsets, grams, vocab_size=vocab, max_matches=10**6, chunk_tokens=1000)
+    docs = [tokens[:2500].tolist(), tokens[2500:].tolist()]
+    assert occ.found.tolist() == [len(occurrences(docs, tuple(g))) for g in grams.tolist()]
+    assert np.array_equal(occ.found, np.bincount(occ.ngram, minlength=len(grams)))
+    window = np.stack([tokens[occ.position + j] for j in range(3)], axis=1)
+    assert np.array_equal(window, grams[occ.ngram])
