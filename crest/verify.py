@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2 and tiny), qwen2 and mistral (tiny)
 ATTENTION = ("sdpa", "eager")  # attention kernels that honour a custom 4-D additive mask
+EXPLORE_EVERY = 16  # steps without a worthwhile draft before one is verified anyway
 
 
 class Drafter(Protocol):
@@ -297,6 +298,7 @@ class SpeculativeGenerator:
         self._windows = _mask_windows(config)
         self._cost: CostModel | None = None
         self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
+        self._idle = 0  # steps since a draft was last verified
         self._failed_drafters: set[int] = set()
 
     @property
@@ -329,7 +331,12 @@ class SpeculativeGenerator:
             return _EMPTY, 0.0
         draft = limit_depth(draft.truncate(self.draft_budget), depth_room)
         if self.adaptive:
-            draft = draft.truncate(choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale))
+            size = choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale)
+            self._idle = 0 if size else self._idle + 1
+            if not size and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY):
+                # without verified drafts the acceptance estimate cannot learn: now and then trust the weights
+                size, self._idle = max(1, choose_draft_size(draft, self.cost(), acceptance_scale=1.0)), 0
+            draft = draft.truncate(size)
         return draft, float(path_probabilities(draft).sum()) if len(draft) else 0.0
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor], cache: Any) -> Any:

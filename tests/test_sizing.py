@@ -3,6 +3,8 @@ expected tokens per second."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
@@ -57,3 +59,33 @@ def test_calibration_is_cached_per_model_device_and_dtype() -> None:
     assert calibrate(model.double(), sizes=(1, 4), repeats=1) is not first
     gen = SpeculativeGenerator(model, IdTokenizer())
     assert gen.adaptive and gen.cost() is calibrate(model)
+
+
+def test_sizing_learns_that_underweighted_drafts_pay_off() -> None:
+    """Weights that promise little keep drafts out at first; verified now and then, they prove better."""
+    from crest.sizing import CostModel
+
+    model = tiny_model("llama", seed=1)
+    model.generation_config.eos_token_id = None
+    prompt = [4, 8, 15]
+    with torch.no_grad():
+        full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=80, pad_token_id=0)
+    want = full[0, 3:].tolist()
+
+    class Humble:
+        """The true continuation beside an equally weighted wrong sibling, weights halving along the path."""
+
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft:
+            done = len(context_ids) - len(prompt)
+            truth = want[done : done + 6]
+            tokens = [truth[0], (truth[0] + 1) % 64, *truth[1:]]
+            parents = [-1, -1, *[0, *range(2, len(truth))][: len(truth) - 1]]
+            weights = [10, 10, *[max(1, 10 >> i) for i in range(1, len(truth))]]
+            return Draft(np.array(tokens), np.array(parents, dtype=np.int32), np.array(weights))
+
+    gen = SpeculativeGenerator(model, IdTokenizer())
+    gen._cost = CostModel([1, 2, 4, 8], [1.0, 1.45, 1.8, 2.4])  # at the prior 0.5 no draft pays
+    got = gen.generate(prompt, drafter=Humble(), max_new_tokens=80)
+    assert got.output_token_ids == want
+    assert got.forward_passes < 0.5 * got.new_tokens, got.accepted_per_step
+    assert gen.acceptance_scale > 1.0
