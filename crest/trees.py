@@ -87,7 +87,7 @@ def lex_order(columns: list[np.ndarray]) -> np.ndarray:
         return np.argsort(key, kind="stable")
     key <<= np.uint64(index_bits)
     key |= np.arange(size, dtype=np.uint64)
-    key.sort()  # a value sort with the row in the low bits: faster than argsort, ties by row
+    key.sort(kind="stable")  # a value sort with the row in low bits; timsort runs make presorted input fast
     return (key & np.uint64((1 << index_bits) - 1)).astype(np.int64)
 
 
@@ -266,7 +266,7 @@ def _sort_pairs(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, np.nd
         order = np.lexsort((minor, major))
         return major[order], minor[order]
     key = (major.astype(np.uint64) << np.uint64(low)) | minor.astype(np.uint64)
-    key.sort()
+    key.sort(kind="stable")
     return (key >> np.uint64(low)).astype(np.int64), (key & np.uint64((1 << low) - 1)).astype(np.int64)
 
 
@@ -379,6 +379,7 @@ def _trie_batch(
     node = tree[cur]  # their node at the previous level (level 0: the tree's root)
     prev_tree = np.arange(trees, dtype=np.int64)  # tree of each previous-level node
     prev_rank = np.zeros(trees, dtype=np.int64)  # rank of each previous-level node within its tree and level
+    prev_slot = np.arange(trees, dtype=np.int64)  # stored position of each previous-level node in its level
     prev_base, base = 0, 0
     levels: list[tuple[np.ndarray, ...]] = []
     for depth in range(1, length + 1):
@@ -394,12 +395,14 @@ def _trie_batch(
         parent = node[first]
         owner = prev_tree[parent]
         heaviest = int(weight.max())
-        order = lex_order([owner, heaviest - weight, tok[first], prev_rank[parent]])
-        ranked_owner = owner[order]
-        rank = np.empty(first.shape[0], dtype=np.int64)
-        rank[order] = np.arange(first.shape[0]) - np.searchsorted(ranked_owner, ranked_owner)
-        global_parent = parent + prev_base if depth > 1 else np.full(first.shape[0], -1, dtype=np.int64)
-        levels.append((owner, global_parent, tok[first], weight, np.full(first.shape[0], depth), rank))
+        order = lex_order([owner, heaviest - weight, tok[first], prev_rank[parent]])  # [U] level in output order
+        slot = np.empty(first.shape[0], dtype=np.int64)  # [U] position of each new node in `order`
+        slot[order] = np.arange(first.shape[0])
+        rank = slot - np.searchsorted(owner[order], owner)  # [U] rank within its tree and level
+        global_parent = prev_slot[parent] + prev_base if depth > 1 else np.full(first.shape[0], -1, dtype=np.int64)
+        # stored in output order, so each level is one sorted run for the final merge
+        columns = (owner, global_parent, tok[first], weight, np.full(first.shape[0], depth), rank)
+        levels.append(tuple(col[order] for col in columns))
         # weights are final when a node is made, a descendant weighs at most its ancestor and is deeper than
         # every node made so far: once a tree has `size` nodes of weight >= f, nothing below a node of
         # weight <= f can make the tree, and nodes lighter than f cannot either
@@ -410,7 +413,8 @@ def _trie_batch(
         floor = np.where(reach[:, -1], grid[grid.shape[0] - 1 - np.argmax(reach, axis=1)], 0)
         alive = (weight > floor[owner])[ids] & (avail[cur] > depth)
         cur, node = cur[alive], ids[alive]
-        prev_tree, prev_rank, prev_base, base = owner, rank, base, base + first.shape[0]
+        prev_tree, prev_rank, prev_slot = owner, rank, slot
+        prev_base, base = base, base + first.shape[0]
     return _keep_best(index, occurrences, matches, levels, floor, size)
 
 
@@ -432,7 +436,7 @@ def _keep_best(
     owner, parent, token, weight, depth, rank = (np.concatenate(col) for col in zip(*levels, strict=True))
     cand = np.flatnonzero(weight >= floor[owner])
     heaviest = int(weight.max())
-    order = cand[lex_order([owner[cand], heaviest - weight[cand], depth[cand], rank[cand]])]
+    order = cand[lex_order([owner[cand], heaviest - weight[cand], depth[cand], rank[cand]])]  # merges runs
     keep = order[_first_per_group(owner[order], size)]
     offsets = np.zeros(trees + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner[keep], minlength=trees), out=offsets[1:])
