@@ -128,7 +128,7 @@ def run_starts(values: np.ndarray) -> np.ndarray:
 
 def _count_sorted(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Return the distinct keys and their counts of a key array, sorting it in place."""
-    keys.sort(kind="stable")
+    keys.sort()
     first = run_starts(keys)
     return keys[first], np.diff(np.r_[first, keys.shape[0]]).astype(np.int64)
 
