@@ -330,14 +330,15 @@ class SpeculativeGenerator:
             self._warn_once(drafter, f"{type(exc).__name__}: {exc}")
             return _EMPTY, 0.0
         draft = limit_depth(draft.truncate(self.draft_budget), depth_room)
+        size = len(draft)
         if self.adaptive:
             size = choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale)
             self._idle = 0 if size else self._idle + 1
             if not size and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY):
                 # without verified drafts the acceptance estimate cannot learn: now and then trust the weights
                 size, self._idle = max(1, choose_draft_size(draft, self.cost(), acceptance_scale=1.0)), 0
-            draft = draft.truncate(size)
-        return draft, float(path_probabilities(draft).sum()) if len(draft) else 0.0
+        predicted = float(path_probabilities(draft)[:size].sum())  # normalised over the whole draft
+        return draft.truncate(size), predicted
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor], cache: Any) -> Any:
         mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))
