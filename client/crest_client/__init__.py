@@ -4,6 +4,8 @@
 longest stored suffix of the context in one round trip and returns its token tree as a `Draft`.
 """
 
+from typing import TYPE_CHECKING
+
 from crest_client.draft import Draft, empty_draft
 from crest_client.errors import (
     CodecError,
@@ -14,6 +16,8 @@ from crest_client.errors import (
     StoreNotFound,
 )
 
+if TYPE_CHECKING:
+    from crest_client.store import Store, StoreInfo
 
 
 def __getattr__(name: str) -> object:
