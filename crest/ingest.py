@@ -288,6 +288,8 @@ class _Loader:
             offsets,
             ngrams,
             n=n,
+            vocab_size=self.vocab_size,
+            counts=counts,  # known counts spare a scan of the corpus per call
             continuation_length=opts.continuation_length,
             max_matches=opts.max_matches,
             tree_size=opts.tree_size,
