@@ -144,6 +144,38 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
     typer.echo(f"database schema at revision {current}")
 
 
+@db_app.command("roles")
+def db_roles(
+    reader: Annotated[str, typer.Option(help="Read-only role for inference servers.")] = "crest_reader",
+    writer: Annotated[str, typer.Option(help="Role that ingests (owns crest's tables).")] = "crest_writer",
+    schema: Annotated[str, typer.Option(help="Schema holding crest's tables.")] = "public",
+    reader_password_env: Annotated[
+        str | None, typer.Option(help="Environment variable holding the reader's password.")
+    ] = None,
+    writer_password_env: Annotated[
+        str | None, typer.Option(help="Environment variable holding the writer's password.")
+    ] = None,
+    dsn: Dsn = None,
+) -> None:
+    """Create or update a read-only role and a writer role with least privileges (safe to run many times)."""
+    from crest.config import resolve_dsn
+    from crest.roles import create_roles, password_from_env
+
+    report = create_roles(
+        resolve_dsn(dsn),
+        reader=reader,
+        writer=writer,
+        schema=schema,
+        reader_password=password_from_env(reader_password_env),
+        writer_password=password_from_env(writer_password_env),
+    )
+    created = f" (created {', '.join(report.created)})" if report.created else ""
+    typer.echo(
+        f"reader {report.reader!r} may SELECT crest's {len(report.tables)} tables and later ones in schema "
+        f"{report.schema!r}; writer {report.writer!r} owns them{created}"
+    )
+
+
 @server_app.command("start")
 def server_start() -> None:
     """Start (or find) the embedded server and print its DSN."""

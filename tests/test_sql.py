@@ -22,7 +22,7 @@ def test_every_sql_file_is_tested() -> None:
     assert sorted(p.name for p in SQL.glob("*.sql")) == sorted(FILES)
 
 
-FILES = ["coverage.sql", "tree_sizes.sql", "top_ngrams.sql", "disk_use.sql"]
+FILES = ["coverage.sql", "tree_sizes.sql", "top_ngrams.sql", "disk_use.sql", "roles.sql"]  # roles.sql: test_roles.py
 
 
 @pytest.fixture()

@@ -1,0 +1,168 @@
+"""Least privilege on a real PostgreSQL: the writer ingests, the reader drafts and is refused everything else."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from crest_client import Store
+from psycopg import sql
+from typer.testing import CliRunner
+
+from crest.cli import app
+from crest.config import IngestOptions
+from crest.errors import ConfigError
+from crest.ingest import ingest
+from crest.roles import create_roles
+from crest.tokenize import load_tokenizer
+
+pytest_plugins = ["tests.fix_corpus"]
+
+SQL = Path(__file__).resolve().parent.parent / "sql"
+TEXT = "the cat sat on the mat . a dog sat on the mat . the cat sat on a dog .\n"
+
+
+def _as(dsn: str, user: str, password: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info.update(user=user, password=password)
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+
+class Roles:
+    """Names and DSNs of one test's reader and writer."""
+
+    def __init__(self, admin: str) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.admin = admin
+        self.reader, self.writer = f"crest_r_{tag}", f"crest_w_{tag}"
+        self.password = uuid.uuid4().hex
+        self.reader_dsn = _as(admin, self.reader, self.password)
+        self.writer_dsn = _as(admin, self.writer, self.password)
+
+
+@pytest.fixture()
+def roles(db_dsn: str) -> Iterator[Roles]:
+    made = Roles(db_dsn)
+    yield made
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # roles are cluster-wide: remove them
+        for role in (made.reader, made.writer):
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture()
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "c.txt"
+    path.write_text(TEXT * 5)
+    return path
+
+
+def _ingest(dsn: str, corpus: Path, store: str, tokenizer: Path) -> int:
+    options = IngestOptions(top_t=50, max_n=3)
+    return ingest([str(corpus)], store=store, tokenizer=str(tokenizer), dsn=dsn, options=options).store_id
+
+
+def _refused(dsn: str, statement: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(statement)
+
+
+def test_cli_roles_reader_drafts_writer_ingests(
+    roles: Roles, corpus: Path, word_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = _ingest(roles.admin, corpus, "early", word_tokenizer_dir)  # built before the roles existed
+    monkeypatch.setenv("CREST_TEST_ROLE_PASSWORD", roles.password)
+    args = ["db", "roles", "--reader", roles.reader, "--writer", roles.writer, "--dsn", roles.admin]
+    args += ["--reader-password-env", "CREST_TEST_ROLE_PASSWORD", "--writer-password-env", "CREST_TEST_ROLE_PASSWORD"]
+    for _ in range(2):  # idempotent
+        done = CliRunner().invoke(app, args)
+        assert done.exit_code == 0, done.output
+    assert "created" not in done.output
+
+    again = _ingest(roles.writer_dsn, corpus, "early", word_tokenizer_dir)  # drops the admin's old version
+    new = _ingest(roles.writer_dsn, corpus, "late", word_tokenizer_dir)
+    with psycopg.connect(roles.admin) as conn:
+        assert conn.execute("SELECT to_regclass(%s)", (f"crest_ngrams_s{old}",)).fetchone() == (None,)
+        owners = conn.execute(
+            "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class WHERE relname LIKE 'crest\\_%%'"
+            " AND relkind IN ('r', 'p')"
+        ).fetchall()
+    assert owners == [(roles.writer,)]
+
+    ids = load_tokenizer(word_tokenizer_dir).encode("a dog sat on")
+    for name in ("early", "late"):
+        with Store.connect(roles.reader_dsn, name, cache_size=0, timeout=5.0) as store:
+            draft = store.draft(ids)
+            assert draft is not None and draft.n >= 2
+            assert store.stats["errors"] == 0
+    with psycopg.connect(roles.reader_dsn) as conn:  # every crest table, later ones included
+        unreadable = conn.execute(
+            "SELECT relname FROM pg_class WHERE relname LIKE 'crest\\_%%' AND relkind IN ('r', 'p')"
+            " AND NOT has_table_privilege(oid, 'SELECT')"
+        ).fetchall()
+        assert unreadable == []
+        assert conn.execute("SELECT count(*) FROM crest_stores WHERE state = 'published'").fetchone() == (2,)
+        conn.execute("SELECT count(*) FROM crest_ngrams").fetchone()
+
+    with psycopg.connect(roles.admin, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA private")
+        conn.execute("CREATE TABLE private.secret (x int)")
+        conn.execute("CREATE TABLE public.other (x int)")
+    part = f"crest_ngrams_s{new}"
+    for statement in (
+        "INSERT INTO crest_stores (name, state, tokenizer_fingerprint, vocab_size, token_width)"
+        " VALUES ('x', 'building', 'f', 1, 1)",
+        "UPDATE crest_stores SET state = 'retired'",
+        "DELETE FROM crest_stores",
+        f"DELETE FROM {part}",
+        f"UPDATE {part} SET count = 0",
+        f"TRUNCATE {part}",
+        f"DROP TABLE {part}",
+        "DROP TABLE crest_stores",
+        f"ALTER TABLE {part} ADD COLUMN x int",
+        "CREATE TABLE public.mine (x int)",
+        "CREATE SCHEMA mine",
+        "SELECT * FROM private.secret",
+        "SELECT * FROM public.other",
+    ):
+        _refused(roles.reader_dsn, statement)
+    _refused(roles.writer_dsn, "SELECT * FROM private.secret")
+    with psycopg.connect(roles.admin) as conn:  # nothing was changed by the refused statements
+        assert conn.execute("SELECT count(*) FROM crest_stores").fetchone() == (2,)
+        assert conn.execute(sql.SQL("SELECT count(*) > 0 FROM {}").format(sql.Identifier(part))).fetchone() == (True,)
+    assert again != old
+
+
+@pytest.mark.skipif(shutil.which("psql") is None, reason="psql is not installed")
+def test_roles_sql_file_with_psql(roles: Roles, corpus: Path, word_tokenizer_dir: Path) -> None:
+    _ingest(roles.admin, corpus, "s", word_tokenizer_dir)
+    command = ["psql", roles.admin, "-q", "-v", f"reader={roles.reader}", "-v", f"writer={roles.writer}"]
+    for _ in range(2):  # idempotent
+        done = subprocess.run([*command, "-f", str(SQL / "roles.sql")], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    with psycopg.connect(roles.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(roles.reader), roles.password))
+        conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(roles.writer)))
+        conn.execute("CREATE TABLE crest_later (x int)")  # a table the writer adds later
+        conn.execute("RESET ROLE")
+    with psycopg.connect(roles.reader_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM crest_later").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) > 0 FROM crest_ngrams").fetchone() == (True,)
+    _refused(roles.reader_dsn, "DELETE FROM crest_ngrams")
+    _refused(roles.reader_dsn, "INSERT INTO crest_later VALUES (1)")
+
+
+@pytest.mark.parametrize(
+    ("reader", "writer", "message"),
+    [("bad;name", "crest_w", "not a plain identifier"), ("same", "same", "must differ")],
+    ids=["unquoted-name", "same-role"],
+)
+def test_bad_role_names_are_refused(db_dsn: str, reader: str, writer: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        create_roles(db_dsn, reader=reader, writer=writer)
