@@ -265,15 +265,37 @@ def bench_lookup(
     store: StoreName,
     samples: Annotated[int, typer.Option(help="Contexts to look up.")] = 2000,
     max_nodes: Annotated[int, typer.Option(help="Tree nodes per draft.")] = 64,
+    seconds: Annotated[
+        float | None, typer.Option(help="Load mode: draft for this long from many threads and processes.")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(help="Load mode: threads per process (one Store each).")] = 8,
+    processes: Annotated[int, typer.Option(help="Load mode: processes.")] = 1,
+    cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Load mode: the SDK's LRU cache.")] = False,
+    timeout: Annotated[float, typer.Option(help="Load mode: the SDK's per-lookup timeout in seconds.")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     dsn: Dsn = None,
 ) -> None:
-    """Time draft() cache misses side by side with a bare prepared lookup, and cache hits."""
+    """Time draft() cache misses side by side with a bare prepared lookup, and cache hits; or, with --seconds, load."""
+    from crest.bench import bench_load
     from crest.bench import bench_lookup as run
     from crest.config import check_store_name, resolve_dsn
     from crest.display import print_figures
 
     check_store_name(store)
+    if seconds is not None:
+        load = bench_load(
+            resolve_dsn(dsn),
+            store,
+            concurrency=concurrency,
+            processes=processes,
+            seconds=seconds,
+            samples=samples,
+            max_nodes=max_nodes,
+            cache=cache,
+            timeout=timeout,
+        )
+        print_figures(f"lookup load on {store!r} (latency in microseconds)", load.__dict__, as_json=as_json)
+        return
     figures = run(resolve_dsn(dsn), store, samples=samples, max_nodes=max_nodes)
     print_figures("lookup latency (microseconds)", figures.__dict__, as_json=as_json)
 
