@@ -1,13 +1,16 @@
 """The tree blob format: how a draft token tree is stored in one `bytea` value.
 
-Version 1 layout: a header — version (u8), flags (u8), node count (u8, or u16 little-endian when flag bit 7 is
-set) — then the payload: token ids and parent indices plus one (0 = child of the root), each a little-endian
-array in the narrowest unsigned width that holds its largest value, then the weights. Weights never increase
-along the node order, so when they need a wide width only a leading run does: the payload then holds that
-run's length (as wide as the node count), the run in the wide width, and the remaining weights as u8. Flag
-bits: 0 = payload is an lz4 block (kept only when smaller), 1-2 = token width code, 3-4 = parent width code,
-5-6 = weight width code (codes 0..3 mean 1, 2, 4, 8 bytes), 7 = the counts are u16. Decoding checks every
-field and raises `CodecError` on anything malformed, so a corrupted row can never crash a reader.
+Version 2 (written by default) is bit-packed; fields sit in one little-endian bit stream after a byte
+header: version (2), flags (bit 0: tokens are ranks in the store's `TokenTable`; bits 1-5: the width in bits
+of the widest token class), node count (LEB128), the first weight (LEB128) and the width in bits of weight
+steps. The stream holds, for nodes 1..count-1, a chain bit (1 = the parent is the previous node); for every
+other node i its parent plus one in the fewest bits that hold i - 1; a 2-bit class per token and the token
+(its rank, or its id) in 4, 8, 12 or the widest class's bits, offset by the classes before it; for nodes
+1..count-1 a bit saying the weight drops there, and each drop minus one in the step width. Trees are stored
+with equal-weight chains contiguous, so most parents cost one bit, and common tokens (low ranks) take 6 or 10
+bits. Version 1 (byte arrays in the narrowest widths, lz4 when smaller) is still read and can be written.
+Decoding checks every field and raises `CodecError` on anything malformed, so a corrupted row can never crash
+a reader.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 from crest_client.draft import Draft
 from crest_client.errors import CodecError
 
-VERSION = 1
+VERSION = 2
 MAX_NODES = 0xFFFF
 _HEADER = struct.Struct("<BB")
 _COUNT = (struct.Struct("<B"), struct.Struct("<H"))
@@ -29,6 +32,13 @@ _WIDTHS = (1, 2, 4, 8)
 _DTYPES = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
 _LZ4 = 0x01
 _ARANGE = np.arange(MAX_NODES + 1, dtype=np.int32)
+_RANKED = 0x01
+_CLASS_BITS = (4, 8, 12)  # token classes 0-2; class 3 takes the blob's widest width
+_CLASS_BASE = np.array([0, 16, 16 + 256, 16 + 256 + 4096], dtype=np.int64)
+_PARENT_BITS = np.array([i.bit_length() for i in range(MAX_NODES + 1)], dtype=np.int64)  # parent + 1 <= i
+_LANES = np.arange(64, dtype=np.int64)
+_VIEW = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}
+_MAX_STEP_BITS = 62
 
 
 def width_code(max_value: int) -> int:
@@ -44,10 +54,247 @@ def token_width(vocab_size: int) -> int:
     return _WIDTHS[width_code(max(vocab_size - 1, 0))]
 
 
+class TokenTable:
+    """Token ids in rank order (most frequent first): blobs store ranks, so common tokens take few bits."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens = np.asarray(tokens, dtype=np.int64)  # [R] token id of each rank
+        if self.tokens.ndim != 1 or (self.tokens.size and int(self.tokens.min()) < 0):
+            raise CodecError("a token table holds non-negative token ids in one dimension")
+        if np.unique(self.tokens).shape[0] != self.tokens.shape[0]:
+            raise CodecError("a token table lists a token twice")
+        self._ranks: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray) -> TokenTable:
+        """Rank the tokens with a non-zero count, most frequent first, ties by smaller id."""
+        counts = np.asarray(counts)
+        present = np.flatnonzero(counts > 0)
+        return cls(present[np.lexsort((present, -counts[present].astype(np.int64)))])
+
+    def ranks_of(self, tokens: np.ndarray) -> np.ndarray:
+        """Return the rank of each token; raise `CodecError` for a token the table lacks."""
+        if self._ranks is None:
+            order = np.argsort(self.tokens, kind="stable")
+            self._ranks = np.stack((self.tokens[order], order))  # [2, R] sorted ids, their ranks
+        ids, ranks = self._ranks
+        tokens = np.asarray(tokens, dtype=np.int64)
+        at = np.minimum(np.searchsorted(ids, tokens), max(0, ids.shape[0] - 1))
+        if tokens.size and (ids.shape[0] == 0 or (ids[at] != tokens).any()):
+            raise CodecError("a tree token is missing from the store's token table")
+        return ranks[at]
+
+    def to_bytes(self) -> bytes:
+        """Return the table as little-endian u32 token ids."""
+        return self.tokens.astype("<u4").tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> TokenTable:
+        """Read a table written by `to_bytes`; raise `CodecError` when it is malformed."""
+        if len(data) % 4:
+            raise CodecError(f"token table of {len(data)} bytes is not a whole number of u32 ids")
+        return cls(np.frombuffer(bytes(data), dtype="<u4").astype(np.int64))
+
+
 def encode_tree(
-    tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, *, vocab_size: int, compress: bool = True
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    weights: np.ndarray,
+    *,
+    vocab_size: int,
+    table: TokenTable | None = None,
+    version: int = VERSION,
+    compress: bool = True,
 ) -> bytes:
-    """Encode one tree (parents before children, -1 = root) into a version-1 blob."""
+    """Encode one tree (parents before children, -1 = root, weights non-increasing) into a blob."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    parents = np.asarray(parents, dtype=np.int64)
+    weights = np.asarray(weights, dtype=np.int64)
+    count = int(tokens.shape[0])
+    if count > MAX_NODES:
+        raise CodecError(f"a tree has {count} nodes, more than the format's {MAX_NODES}")
+    if parents.shape != (count,) or weights.shape != (count,):
+        raise CodecError("tree arrays differ in length")
+    if count and (int(weights.min()) < 0 or int(tokens.min()) < 0):
+        raise CodecError("negative token id or weight")
+    if count and ((parents >= np.arange(count)).any() or (parents < -1).any()):
+        raise CodecError("a tree node comes before its parent")
+    if count and (np.diff(weights) > 0).any():
+        raise CodecError("tree weights increase along the node order")
+    if version == 1:
+        if table is not None:
+            raise CodecError("format version 1 stores token ids, not ranks")
+        return _encode_v1(tokens, parents, weights, vocab_size=vocab_size, compress=compress)
+    if version != 2:
+        raise CodecError(f"cannot write tree format version {version}")
+    return _encode_v2(tokens, parents, weights, table)
+
+
+def decode_tree(blob: bytes | memoryview, *, n: int = 0, table: TokenTable | None = None) -> Draft:
+    """Decode a blob into a `Draft`; raise `CodecError` when it is malformed."""
+    data = blob if isinstance(blob, bytes) else bytes(blob)
+    if len(data) < _HEADER.size:
+        raise CodecError(f"tree blob of {len(data)} bytes is shorter than its header")
+    version = data[0]
+    if version == 2:
+        return _decode_v2(data, n, table)
+    if version == 1:
+        return _decode_v1(data, n)
+    raise CodecError(f"tree blob has unknown format version {version} (this client reads 1 and 2)")
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise CodecError("tree blob header is cut short or has an overlong number")
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _pack(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Return the low `widths[i]` bits of each value, LSB first, concatenated: [sum(widths)] uint8."""
+    top = int(widths.max()) if widths.size else 0
+    if top == 0:
+        return np.zeros(0, dtype=np.uint8)
+    shifts = np.arange(top, dtype=np.int64)
+    bits = (values[:, None] >> shifts) & 1  # [K, top]
+    return bits[shifts < widths[:, None]].astype(np.uint8)
+
+
+def _unpack(bits: np.ndarray, pos: int, widths: np.ndarray, nbytes: int) -> np.ndarray:
+    """Read values of the given bit widths from `bits` at `pos`, which must end the stream (zero padding)."""
+    end = pos + int(widths.sum())
+    if end > bits.shape[0]:
+        raise CodecError("tree blob is too short for its fields")
+    if 8 * nbytes - end >= 8 or bits[end:].any():
+        raise CodecError("tree blob has trailing data")
+    top = int(widths.max()) if widths.size else 0
+    lanes = 8 if top <= 8 else 16 if top <= 16 else 32 if top <= 32 else 64
+    at = (pos + np.cumsum(widths) - widths)[:, None] + _LANES[:lanes]  # [K, lanes] bit index of each lane
+    picked = np.take(bits, at, mode="clip") & (widths[:, None] > _LANES[:lanes])
+    return np.packbits(picked, axis=1, bitorder="little").view(_VIEW[lanes])[:, 0].astype(np.int64)
+
+
+def _class_widths(widest: int) -> np.ndarray:
+    return np.array([*_CLASS_BITS, widest], dtype=np.int64)
+
+
+def _table_width(table: TokenTable) -> int:
+    """Return the widest token class's width for ranks of `table`."""
+    return max(0, len(table) - 1 - int(_CLASS_BASE[3])).bit_length()
+
+
+def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, table: TokenTable | None) -> bytes:
+    count = int(tokens.shape[0])
+    if table is not None:
+        ranks, widest = table.ranks_of(tokens), _table_width(table)
+    else:
+        ranks = tokens
+        widest = max(0, int(ranks.max()) - int(_CLASS_BASE[3])).bit_length() if count else 0
+    if widest > 0x1F:
+        raise CodecError("a token id or rank needs more than 31 bits")
+    if count == 0:
+        return bytes((2, _RANKED if table is not None else 0, 0)) + (b"" if table is not None else b"\x00")
+    idx = np.arange(1, count)
+    chain = (parents[1:] == idx - 1) & (weights[1:] == weights[:-1])  # [C-1] same run as the previous node
+    heads = idx[~chain]  # [H]
+    drops = weights[heads - 1] - weights[heads]  # [H] >= 0
+    steps = drops[drops > 0] - 1
+    step_bits = int(steps.max()).bit_length() if steps.size else 0
+    if step_bits > _MAX_STEP_BITS:
+        raise CodecError("a tree weight needs more than 62 bits")
+    cls = np.searchsorted(_CLASS_BASE, ranks, side="right") - 1  # [C] 0..3
+    bits = np.concatenate(
+        (
+            _pack(cls, np.full(count, 2, dtype=np.int64)),
+            chain.astype(np.uint8),
+            (drops > 0).astype(np.uint8),
+            _pack(parents[heads] + 1, _PARENT_BITS[heads]),
+            _pack(ranks - _CLASS_BASE[cls], _class_widths(widest)[cls]),
+            _pack(steps, np.full(steps.shape[0], step_bits, dtype=np.int64)),
+        )
+    )
+    flags = (_RANKED if table is not None else 0) | (step_bits << 1)
+    head = bytes((2, flags)) + _varint(count) + (b"" if table is not None else bytes((widest,)))
+    return head + _varint(int(weights[0])) + np.packbits(bits, bitorder="little").tobytes()
+
+
+def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
+    flags = data[1]
+    if flags & 0x80:
+        raise CodecError("tree blob has unknown flags set")
+    step_bits = (flags >> 1) & 0x3F
+    count, pos = _read_varint(data, 2)
+    if flags & _RANKED:
+        if table is None:
+            raise CodecError("tree blob stores token ranks; decoding it needs the store's token table")
+        widest = _table_width(table)
+    else:
+        if pos >= len(data):
+            raise CodecError("tree blob header is cut short")
+        widest, pos = data[pos], pos + 1
+    if count == 0:
+        if pos != len(data) or step_bits:
+            raise CodecError("tree blob of an empty tree has trailing bytes")
+        return Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), n)
+    if count > MAX_NODES or 7 * count > 8 * (len(data) - pos) + 2:  # >= 2 class, 4 token, 1 chain bits a node
+        raise CodecError(f"tree blob claims {count} nodes, more than its {len(data)} bytes can hold")
+    first, pos = _read_varint(data, pos)
+    if step_bits > _MAX_STEP_BITS or widest > 0x1F or first >= 1 << 62:
+        raise CodecError("tree blob has a field out of range")
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=pos), bitorder="little")
+    fixed = 3 * count - 1
+    classes = bits[0 : 2 * count : 2] | (bits[1 : 2 * count : 2] << 1)  # [C]
+    heads = np.flatnonzero(bits[2 * count : fixed] == 0) + 1  # [H]
+    if fixed + heads.shape[0] > bits.shape[0]:
+        raise CodecError("tree blob is too short for its fields")
+    dropped = bits[fixed : fixed + heads.shape[0]].astype(bool)  # [H]
+    drops = int(dropped.sum())
+    widths = np.concatenate(
+        (_PARENT_BITS[heads], _class_widths(widest)[classes], np.full(drops, step_bits, dtype=np.int64))
+    )
+    values = _unpack(bits, fixed + heads.shape[0], widths, len(data) - pos)
+    head_parents = values[: heads.shape[0]] - 1
+    ranks = values[heads.shape[0] : heads.shape[0] + count] + _CLASS_BASE[classes]
+    steps = values[heads.shape[0] + count :]
+    if (head_parents >= heads).any():
+        raise CodecError("tree blob has a node before its parent")
+    if drops + sum(steps.tolist()) > first:
+        raise CodecError("tree blob has a weight out of range")
+    parents = np.arange(-1, count - 1, dtype=np.int32)
+    parents[heads] = head_parents
+    falls = np.zeros(count, dtype=np.int64)
+    falls[heads[dropped]] = steps + 1
+    weights = first - np.cumsum(falls)
+    if flags & _RANKED:
+        assert table is not None
+        if int(ranks.max()) >= len(table):
+            raise CodecError("tree blob has a token rank beyond the store's token table")
+        tokens = table.tokens[ranks]
+    else:
+        tokens = ranks
+    return Draft(tokens, parents, weights, n)
+
+
+def _encode_v1(
+    tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, *, vocab_size: int, compress: bool
+) -> bytes:
     count = int(tokens.shape[0])
     if count > MAX_NODES:
         raise CodecError(f"a tree has {count} nodes, more than the format's {MAX_NODES}")
@@ -75,17 +322,13 @@ def encode_tree(
         packed = lz4.block.compress(payload, store_size=False, mode="high_compression")
         if len(packed) < len(payload):
             payload, flags = packed, flags | _LZ4
-    return _HEADER.pack(VERSION, flags) + counter.pack(count) + payload
+    return _HEADER.pack(1, flags) + counter.pack(count) + payload
 
 
-def decode_tree(blob: bytes | memoryview, *, n: int = 0) -> Draft:
-    """Decode a blob into a `Draft`; raise `CodecError` when it is malformed."""
-    data = blob if isinstance(blob, bytes) else bytes(blob)
+def _decode_v1(data: bytes, n: int) -> Draft:
     if len(data) < _HEADER.size:
         raise CodecError(f"tree blob of {len(data)} bytes is shorter than its header")
-    version, flags = _HEADER.unpack_from(data)
-    if version != VERSION:
-        raise CodecError(f"tree blob has unknown format version {version} (this client reads {VERSION})")
+    _, flags = _HEADER.unpack_from(data)
     counter = _COUNT[(flags & _LONG) >> 7]
     if len(data) < _HEADER.size + counter.size:
         raise CodecError(f"tree blob of {len(data)} bytes is shorter than its header")
