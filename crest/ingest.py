@@ -22,7 +22,7 @@ from crest_client.codec import encode_tree, token_width
 from crest_client.embedded import crest_home
 
 from crest import db
-from crest.config import IngestOptions, check_store_name, resolve_model_spec
+from crest.config import IngestOptions, check_store_name, fault_pause, resolve_model_spec
 from crest.corpus import CorpusReport, iter_documents
 from crest.errors import ConfigError, CorpusError
 from crest.ngrams import count_ngrams, select_top
@@ -164,6 +164,7 @@ def ingest(
         t0 = time.perf_counter()
         report = CorpusReport()
         docs = iter_documents(list(inputs), fmt=fmt, report=report)
+        fault_pause("read")
         corpus = tokenize_corpus(docs, tok, workdir=work, progress=rep.stage("read + tokenize", None))
         rep.done("read + tokenize")
         seconds["read_tokenize"] = time.perf_counter() - t0
@@ -172,6 +173,7 @@ def ingest(
         tokens, offsets = corpus.tokens, corpus.doc_offsets
 
         t0 = time.perf_counter()
+        fault_pause("count")
         counts = count_ngrams(
             tokens,
             offsets,
@@ -194,6 +196,7 @@ def ingest(
         try:
             t0 = time.perf_counter()
             build.copy_vocab(tok.pieces())
+            fault_pause("build")
             loader = _Loader(build, tok.vocab_size, options)
             top_t = loader.load(tokens, offsets, counts, rep)
             rep.done("build trees + load")
@@ -340,10 +343,12 @@ class _Loader:
     def _account(
         self, n: int, rows: Iterable[tuple[int, bytes, int, bytes, int]], advance: Advance
     ) -> Iterator[tuple[bytes, int, int, bytes]]:
-        for _, key, count, blob, nodes in rows:
+        for i, (_, key, count, blob, nodes) in enumerate(rows):
             self.kept[n] += 1
             self.covered[n] += count
             self.nodes += nodes
             self.blob_bytes += len(blob)
             yield key, n, count, blob
             advance(1)
+            if i == 0:
+                fault_pause("load")  # the COPY is open and holds a row
