@@ -9,9 +9,11 @@ document end) and build the trie level by level: the nodes of depth d are the di
 of the continuations still alive, found by one integer sort, and a node's weight is the number of
 continuations through it. A continuation stops once its node weighs no more than a lower bound of its tree's
 `tree_size`-th heaviest weight: every deeper node would rank after all nodes made so far, so pruning is
-exact. The kept nodes are ordered by (weight desc, depth asc, token asc, parent's position asc); a parent
-weighs at least as much as its child and is shallower, so it comes first, weights never increase, and every
-prefix of the list is the heaviest subtree of that size. Selected n-grams are processed in groups (one scan
+exact. The `tree_size` nodes kept are the first by (weight desc, depth asc, token asc, parent's position asc);
+a parent weighs at least as much as its child and is shallower, so it comes first, weights never increase, and
+every prefix of the list is the heaviest subtree of that size. They are stored in that order except that each
+chain of equal-weight nodes (a node and its child of the same weight, and so on) is made contiguous at its
+head's place, which keeps all three properties and lets the codec store most parents in one bit. Selected n-grams are processed in groups (one scan
 each) and the tries in batches, so memory follows `scan_occurrences` and `batch_occurrences`, not the corpus.
 """
 
@@ -437,7 +439,7 @@ def _keep_best(
     cand = np.flatnonzero(weight >= floor[owner])
     heaviest = int(weight.max())
     order = cand[lex_order([owner[cand], heaviest - weight[cand], depth[cand], rank[cand]])]  # merges runs
-    keep = order[_first_per_group(owner[order], size)]
+    keep = _chain_order(order[_first_per_group(owner[order], size)], parent, weight, depth)
     offsets = np.zeros(trees + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner[keep], minlength=trees), out=offsets[1:])
     local = np.full(owner.shape[0], -1, dtype=np.int64)
@@ -453,3 +455,22 @@ def _keep_best(
         occurrences=occurrences.astype(np.int64),
         matches=matches,
     )
+
+
+def _chain_order(keep: np.ndarray, parent: np.ndarray, weight: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Reorder kept nodes so each equal-weight chain (a node, then its child of the same weight...) is contiguous.
+
+    A node has at most one child of its own weight, so the nodes of one weight form disjoint chains; each chain
+    moves to its head's place, so parents still come first, weights still never increase and every prefix
+    still weighs the most a subtree of its size can: the codec then stores most parents as "the previous node".
+    """
+    pos = np.full(parent.shape[0], -1, dtype=np.int64)
+    pos[keep] = np.arange(keep.shape[0])
+    up = parent[keep]  # [K] global index of each kept node's parent, -1 = root
+    head = np.where((up < 0) | (weight[np.maximum(up, 0)] != weight[keep]), np.arange(keep.shape[0]), pos[up])
+    while True:  # pointer jumping: chains are at most `continuation_length` long
+        nxt = head[head]
+        if np.array_equal(nxt, head):
+            break
+        head = nxt
+    return keep[np.lexsort((depth[keep], head))]

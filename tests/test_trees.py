@@ -58,7 +58,14 @@ def reference_tree(docs: list[list[int]], gram: Path_, *, length: int, size: int
         # weight desc, depth asc, token asc, then the parent's own order key (its position in the output)
         return (-weight[path], len(path), path[-1], order_key(path[:-1]) if len(path) > 1 else ())
 
-    return [(p, weight[p]) for p in sorted(weight, key=order_key)[:size]]
+    kept = sorted(weight, key=order_key)[:size]
+    place = {p: i for i, p in enumerate(kept)}
+
+    def head(path: Path_) -> Path_:
+        # equal-weight chains are stored together, at the place of their first (shallowest) node
+        return path if len(path) == 1 or weight[path[:-1]] != weight[path] else head(path[:-1])
+
+    return [(p, weight[p]) for p in sorted(kept, key=lambda p: (place[head(p)], len(p)))]
 
 
 def batch_trees(batches: list[TreeBatch], grams: list[Path_]) -> dict[Path_, Tree]:
@@ -299,3 +306,12 @@ def test_occurrence_lookup_finds_every_selected_ngram(vocab: int) -> None:
     assert np.array_equal(occ.found, np.bincount(occ.ngram, minlength=len(grams)))
     window = np.stack([tokens[occ.position + j] for j in range(3)], axis=1)
     assert np.array_equal(window, grams[occ.ngram])
+
+
+def test_equal_weight_chains_are_stored_contiguously() -> None:
+    docs = [[9, 1, 2, 3], [9, 4, 5, 6], [9, 1, 7, 8]]
+    tokens, offsets = flatten(docs)
+    (batch,) = build_trees(tokens, offsets, np.array([[9]]), n=1, vocab_size=10, continuation_length=3)
+    # weight 2: [1]; weight-1 chains in their heads' order (shallower, then smaller token): 4-5-6, 2-3, 7-8
+    assert batch.tokens.tolist() == [1, 4, 5, 6, 2, 3, 7, 8]
+    assert batch.parents.tolist() == [-1, -1, 1, 2, 0, 4, 0, 6]
