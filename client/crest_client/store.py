@@ -280,7 +280,7 @@ class Store:
         """Re-read which version is published; on a change, follow it and drop the cache."""
         self._checked = time.monotonic()
         try:
-            info = _read_info(self._pool, self.name)
+            info = _read_info(self._pool, self.name, timeout=self._timeout)  # bounded like a lookup
         except Exception as exc:  # store dropped or database gone: keep serving misses
             self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
             return False
@@ -307,9 +307,9 @@ _MISSING: Any = object()
 _FAILED: Any = object()
 
 
-def _read_info(pool: ConnectionPool, name: str) -> StoreInfo:
+def _read_info(pool: ConnectionPool, name: str, *, timeout: float | None = None) -> StoreInfo:
     try:
-        with pool.connection() as conn:
+        with pool.connection(timeout=timeout) as conn:
             row = conn.execute(INFO_SQL, (name,)).fetchone()
     except (psycopg.Error, PoolTimeout) as exc:
         raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None

