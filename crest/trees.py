@@ -13,8 +13,9 @@ exact. The `tree_size` nodes kept are the first by (weight desc, depth asc, toke
 a parent weighs at least as much as its child and is shallower, so it comes first, weights never increase, and
 every prefix of the list is the heaviest subtree of that size. They are stored in that order except that each
 chain of equal-weight nodes (a node and its child of the same weight, and so on) is made contiguous at its
-head's place, which keeps all three properties and lets the codec store most parents in one bit. Selected n-grams are processed in groups (one scan
-each) and the tries in batches, so memory follows `scan_occurrences` and `batch_occurrences`, not the corpus.
+head's place, which keeps all three properties and lets the codec store most parents in one bit. Selected
+n-grams are processed in groups (one scan each) and the tries in batches, so memory follows
+`scan_occurrences` and `batch_occurrences`, not the corpus.
 """
 
 from __future__ import annotations
