@@ -47,6 +47,9 @@ def ingest(
     selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    chunk_tokens: Annotated[
+        int, typer.Option(envvar="CREST_CHUNK_TOKENS", help="Corpus positions scanned at once (bounds peak memory).")
+    ] = 1 << 22,
     dsn: Dsn = None,
 ) -> None:
     """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store."""
@@ -69,7 +72,14 @@ def ingest(
         options = IngestOptions(**{**options.__dict__, "top_t": 100_000}).validate()
     with RichReporter(enabled=not quiet) as reporter:
         summary = run_ingest(
-            inputs, store=store, tokenizer=tokenizer, dsn=resolve_dsn(dsn), options=options, fmt=fmt, reporter=reporter
+            inputs,
+            store=store,
+            tokenizer=tokenizer,
+            dsn=resolve_dsn(dsn),
+            options=options,
+            fmt=fmt,
+            reporter=reporter,
+            chunk_tokens=chunk_tokens,
         )
     print_summary(summary)
 

@@ -31,6 +31,11 @@ from crest.trees import TreeBatch, build_trees
 
 Advance = Callable[[int], None]
 
+# Corpus positions scanned at once when counting and finding occurrences (occurrences gathered at once: 4x, trie
+# batches: 1/4): peak memory follows this and the number of distinct n-grams, not the corpus size
+# (`--chunk-tokens`, CREST_CHUNK_TOKENS).
+CHUNK_TOKENS = 1 << 22
+
 # On-disk cost of a row besides its key and blob: heap tuple header (24), store_id (4), n (2), count (4),
 # varlena headers, alignment, the line pointer (4) and a hash index entry (~20 at the default fill factor).
 _HASH_ENTRY_BYTES = 22
@@ -146,9 +151,12 @@ def ingest(
     options: IngestOptions,
     fmt: str = "auto",
     reporter: Reporter | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> IngestSummary:
     """Build a new version of `store` from `inputs` and publish it atomically."""
     options.validate()
+    if chunk_tokens < 1:
+        raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")
     check_store_name(store)
     if options.top_t is None and options.budget is None:
         raise ConfigError("give --top-t T or --budget SIZE")
@@ -180,6 +188,7 @@ def ingest(
             max_n=options.max_n,
             vocab_size=tok.vocab_size,
             progress=rep.stage("count n-grams", int(tokens.shape[0]) * options.max_n),
+            chunk_tokens=chunk_tokens,
         )
         rep.done("count n-grams")
         seconds["count"] = time.perf_counter() - t0
@@ -197,7 +206,7 @@ def ingest(
             t0 = time.perf_counter()
             build.copy_vocab(tok.pieces())
             fault_pause("build")
-            loader = _Loader(build, tok.vocab_size, options)
+            loader = _Loader(build, tok.vocab_size, options, chunk_tokens=chunk_tokens)
             top_t = loader.load(tokens, offsets, counts, rep)
             rep.done("build trees + load")
             seconds["trees_load"] = time.perf_counter() - t0
@@ -243,7 +252,8 @@ def ingest(
 class _Loader:
     """Builds trees for the selected n-grams, encodes them and streams rows into the build's table."""
 
-    def __init__(self, build: db.Build, vocab_size: int, options: IngestOptions) -> None:
+    def __init__(self, build: db.Build, vocab_size: int, options: IngestOptions, *, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
         self.build = build
         self.vocab_size = vocab_size
         self.options = options
@@ -297,6 +307,9 @@ class _Loader:
             max_matches=opts.max_matches,
             tree_size=opts.tree_size,
             seed=opts.seed,
+            chunk_tokens=self.chunk_tokens,
+            scan_occurrences=4 * self.chunk_tokens,  # the defaults' ratios: one knob bounds every stage
+            batch_occurrences=max(1, self.chunk_tokens // 4),
         )
         vocab = self.vocab_size
         for batch in batches:

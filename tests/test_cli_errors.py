@@ -100,6 +100,7 @@ CASES: list[tuple[str, Make, list[str], str]] = [
     ("max-matches-negative", HELLO, ["--max-matches", "-1"], r"--max-matches must be between"),
     ("budget-too-small", _text("a.txt", "the cat sat on the mat\n" * 50), ["--budget", "10"], r"budget is too small"),
     ("top-t-and-budget", HELLO, ["--top-t", "5", "--budget", "1MB"], r"either --top-t or --budget"),
+    ("chunk-tokens-zero", HELLO, ["--chunk-tokens", "0"], r"--chunk-tokens must be positive"),
 ]
 
 
