@@ -155,14 +155,34 @@ def test_republish_leaves_one_published_version_and_drops_old_tables(db_dsn: str
     assert tables is not None and tables[0] is None and tables[1] is not None
 
 
-def test_corrupt_tree_is_a_miss_and_logged_once(db_dsn: str, store: Store, caplog: pytest.LogCaptureFixture) -> None:
+ALTERATIONS = {  # SQL expressions of the stored blob `tree`, each a damage the decoder must notice
+    "garbage": "'\\x0102030405'::bytea",
+    "empty": "''::bytea",
+    "truncated": "substring(tree from 1 for length(tree) - 1)",
+    "cut-in-half": "substring(tree from 1 for length(tree) / 2)",
+    "extended": "tree || '\\x00'::bytea",
+    "unknown-version": "set_byte(tree, 0, 99)",
+}
+
+
+@pytest.mark.parametrize("alteration", list(ALTERATIONS), ids=list(ALTERATIONS))
+def test_tree_altered_in_the_database_is_a_miss_logged_once(
+    db_dsn: str, store: Store, caplog: pytest.LogCaptureFixture, alteration: str
+) -> None:
+    assert store.draft([3, 4, 5]) is not None
     with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute("UPDATE crest_ngrams SET tree = '\\x0102030405'::bytea WHERE n = 3")
-    assert store.draft([3, 4, 5]) is None
+        conn.execute(f"UPDATE crest_ngrams SET tree = {ALTERATIONS[alteration]} WHERE n = 3")
+        conn.execute("UPDATE crest_ngrams SET tree = '\\x0102030405'::bytea WHERE n = 2 AND key = %s", (_key((9, 9)),))
     store.clear_cache()
-    assert store.draft([3, 4, 5]) is None
+    for _ in range(2):
+        assert store.draft([3, 4, 5]) is None  # the longest suffix's tree is corrupt: a miss, no fallback
+        assert store.draft([3, 9, 9]) is None
+        store.clear_cache()
+    assert store.draft_many([[3, 4, 5], [3, 9, 9]]) == [None, None]
     assert sum("corrupt tree" in r.message for r in caplog.records) == 1
-    assert store.draft([8, 5]) is not None
+    assert store.stats["errors"] >= 5
+    draft = store.draft([8, 5])  # intact rows still draft
+    assert draft is not None and int(draft.tokens[0]) == 100
 
 
 def test_killed_build_is_cleaned_and_previous_version_kept(db_dsn: str) -> None:
