@@ -182,6 +182,7 @@ def start_paused_ingest(corpus: Path, tokenizer: Path, dsn: str, home: Path, sta
     pytest.fail(f"ingest never reached stage {stage!r}: {''.join(said)[-2000:]}")
 
 
+@pytest.mark.slow  # a `crest ingest` subprocess per stage, about 10 s each
 @pytest.mark.parametrize("stage", FAULT_STAGES, ids=FAULT_STAGES)
 def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_cleans_up(
     db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
@@ -347,6 +348,9 @@ def test_server_down_gives_fast_misses_and_the_same_store_reconnects(
             draft, seconds = timed_draft(store, ctx)
             assert draft is None
             assert seconds < BOUND, f"a lookup with the server down took {seconds:.2f} s"
+        t0 = time.monotonic()
+        assert store.draft_many(CONTEXTS[20:30]) == [None] * 10
+        assert time.monotonic() - t0 < BOUND, "a batch with the server down took too long"
         assert store.stats["errors"] > 0
         running.start()
         assert draft_key(wait_for_draft(store, hit)) == expected[tuple(hit)]
@@ -358,7 +362,7 @@ def test_slow_server_gives_a_miss_within_the_timeout_then_drafts_again(running: 
     expected = snapshot(running.dsn, "words")
     hit = next(c for c in CONTEXTS if expected[tuple(c)] is not None)
     with Store.connect(running.dsn, "words", cache_size=0, timeout=0.01, refresh_interval=0.0) as store:
-        assert store.draft(hit) is not None
+        assert wait_for_draft(store, hit) is not None
         name = f"crest_ngrams_s{store.info.id}" if table == "partition" else "crest_stores"
         with psycopg.connect(running.dsn) as blocker:
             blocker.execute(f"LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE")  # every read of it now waits
@@ -383,3 +387,50 @@ def test_lookup_timeout_is_configurable(running: OwnServer) -> None:
             blocker.rollback()
     assert draft is None
     assert 0.4 < seconds < 0.5 + BOUND, f"a 0.5 s timeout gave up after {seconds:.2f} s"
+
+
+def test_generation_output_is_unchanged_when_the_store_goes_down_mid_generation(
+    running: OwnServer, tmp_path: Path
+) -> None:
+    from crest.drafters import make_drafter
+    from crest.verify import SpeculativeGenerator, generate_plain
+    from tests.fix_corpus import make_word_tokenizer
+    from tests.fix_models import IdTokenizer, tiny_model
+
+    model = tiny_model("llama", vocab=64)
+    prompt = [3, 9, 4, 12, 7, 7, 30, 2, 5, 11]
+    want = generate_plain(model, IdTokenizer(), prompt, max_new_tokens=40).output_token_ids
+    names = ["[UNK]", "[EOS]", *(f"t{i}" for i in range(2, 64))]  # token i is the word names[i]
+    tokenizer = make_word_tokenizer(tmp_path / "tok", names[2:])
+    corpus = write_corpus(tmp_path / "gen.jsonl", [" ".join(names[t] for t in prompt + want)])
+    ingest([str(corpus)], store="gen", tokenizer=str(tokenizer), dsn=running.dsn, options=IngestOptions(top_t=1000))
+
+    with Store.connect(running.dsn, "gen", cache_size=0, timeout=0.2, refresh_interval=0.0) as store:
+        wait_for_draft(store, prompt)  # the pool is warm: the first drafts do not miss on a loaded machine
+        crest = make_drafter("crest", store=store)
+        assert crest is not None
+        calls = 0
+
+        class GoesDown:
+            """The crest drafter; the server is stopped after its second draft."""
+
+            def draft(self, context_ids: Sequence[int], max_nodes: int) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls == 3:
+                    running.stop()
+                assert crest is not None
+                return crest.draft(context_ids, max_nodes)
+
+        generator = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=4)
+        down = generator.generate(prompt, drafter=GoesDown(), max_new_tokens=40)
+        assert down.output_token_ids == want
+        assert max(down.accepted_per_step[:2]) > 1, "drafts were accepted while the server was up"
+        assert set(down.accepted_per_step[2:]) == {1}, "no drafts once the server was down"
+        assert store.stats["errors"] > 0
+
+        running.start()
+        wait_for_draft(store, prompt)
+        back = generator.generate(prompt, drafter=crest, max_new_tokens=40)
+        assert back.output_token_ids == want
+        assert back.forward_passes < len(want) / 2, "the same store drafts again once the server is back"
