@@ -27,6 +27,11 @@ from crest.errors import DatabaseError, StoreNotFound
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+# bytes of a version's token table and key filter (as stored, compressed or not); parameter: the store id
+STORE_DATA_BYTES = (
+    "(SELECT coalesce(sum(pg_column_size(token_table) + coalesce(pg_column_size(key_filter), 0)), 0)"
+    " FROM crest_store_data WHERE store_id = %s)"
+)
 _LOCK_SPACE = 0x4352  # advisory lock class id: "CR"
 _MIGRATE_LOCK = 0x4352_0001
 
@@ -119,6 +124,16 @@ class Build:
             for token_id, piece in pieces:
                 copy.write_row((self.store_id, token_id, piece.replace("\x00", "")))
 
+    def write_store_data(self, token_table: bytes, key_filter: bytes | None) -> None:
+        """Record the version's token table and key filter (read by clients once per version)."""
+        with self.conn.transaction():
+            self.conn.execute(
+                "INSERT INTO crest_store_data (store_id, token_table, key_filter) VALUES (%s, %s, %s)"
+                " ON CONFLICT (store_id) DO UPDATE SET token_table = EXCLUDED.token_table,"
+                " key_filter = EXCLUDED.key_filter",
+                (self.store_id, token_table, key_filter),
+            )
+
     def finish_tables(self) -> None:
         """Index the loaded tables and add the constraints that make attaching them instant."""
         sid, ng, vt = self.store_id, ngram_table(self.store_id), vocab_table(self.store_id)
@@ -173,10 +188,10 @@ class Build:
             )
 
     def table_bytes(self) -> dict[str, int]:
-        """Return the on-disk bytes of the n-gram table and its index."""
+        """Return the on-disk bytes of the n-gram table (plus the version's token table and key filter) and index."""
         row = self.conn.execute(
-            "SELECT pg_table_size(%s::regclass), pg_indexes_size(%s::regclass)",
-            (f"crest_ngrams_s{self.store_id}", f"crest_ngrams_s{self.store_id}"),
+            "SELECT pg_table_size(%s::regclass) + " + STORE_DATA_BYTES + ", pg_indexes_size(%s::regclass)",
+            (f"crest_ngrams_s{self.store_id}", self.store_id, f"crest_ngrams_s{self.store_id}"),
         ).fetchone()
         self.conn.commit()
         assert row is not None
@@ -281,6 +296,7 @@ def _detach(conn: psycopg.Connection[Any], sid: int) -> None:
 
 
 def _drop_tables(conn: psycopg.Connection[Any], sid: int) -> None:
+    conn.execute("DELETE FROM crest_store_data WHERE store_id = %s", (sid,))
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ngram_table(sid)))
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(vocab_table(sid)))
 
@@ -291,7 +307,9 @@ def list_stores(conn: psycopg.Connection[Any], *, include_all: bool = False) -> 
     rows = conn.execute(
         "SELECT s.id, s.name, s.state, s.tokenizer, s.tokenizer_fingerprint, s.vocab_size, s.params, s.figures,"
         " s.created_at, s.published_at,"
-        " coalesce(pg_table_size(to_regclass('crest_ngrams_s' || s.id)), 0),"
+        " coalesce(pg_table_size(to_regclass('crest_ngrams_s' || s.id)), 0)"
+        " + (SELECT coalesce(sum(pg_column_size(d.token_table) + coalesce(pg_column_size(d.key_filter), 0)), 0)"
+        " FROM crest_store_data d WHERE d.store_id = s.id),"
         " coalesce(pg_indexes_size(to_regclass('crest_ngrams_s' || s.id)), 0)"
         f" FROM crest_stores s {where} ORDER BY s.name, s.id"
     ).fetchall()

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from crest_client.codec import encode_tree, token_width
+from crest_client.codec import TokenTable, encode_tree, token_width
 from crest_client.embedded import crest_home
+from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 from crest.config import IngestOptions, check_store_name, fault_pause, resolve_model_spec
@@ -106,7 +107,7 @@ def estimate_row_bytes(key_bytes: np.ndarray | int, blob_bytes: np.ndarray | int
     blob_hdr = np.where(blob + 1 <= 126, 1, 4)
     data = 4 + (key + 1) + 1 + 2 + 4 + 3 + blob_hdr + blob  # int4, key, pad, int2, int4 (aligned), blob
     heap = (24 + data + 7) // 8 * 8 + 4
-    return heap + _HASH_ENTRY_BYTES
+    return heap + _HASH_ENTRY_BYTES + 2  # + the key filter's 10 bits
 
 
 @contextmanager
@@ -208,6 +209,7 @@ def ingest(
             fault_pause("build")
             loader = _Loader(build, tok.vocab_size, options, chunk_tokens=chunk_tokens)
             top_t = loader.load(tokens, offsets, counts, rep)
+            build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
             rep.done("build trees + load")
             seconds["trees_load"] = time.perf_counter() - t0
 
@@ -257,6 +259,8 @@ class _Loader:
         self.build = build
         self.vocab_size = vocab_size
         self.options = options
+        self.table = TokenTable(np.zeros(0, dtype=np.int64))
+        self.keys: dict[int, list[bytes]] = {n: [] for n in range(1, options.max_n + 1)}
         self.width = token_width(vocab_size)
         self.kept: dict[int, int] = {n: 0 for n in range(1, options.max_n + 1)}
         self.covered: dict[int, int] = {n: 0 for n in range(1, options.max_n + 1)}
@@ -266,6 +270,9 @@ class _Loader:
     def load(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int | None:
         """Load the selection (fixed T) or the largest T within the budget; return T."""
         opts = self.options
+        unigram = np.zeros(self.vocab_size, dtype=np.int64)  # blobs store tokens by corpus frequency rank
+        unigram[counts.ngrams(1)[:, 0]] = counts.counts[1]
+        self.table = TokenTable.from_counts(unigram)
         if opts.budget is None:
             assert opts.top_t is not None
             selected = select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n)
@@ -318,8 +325,19 @@ class _Loader:
                 a, b = int(off[j]), int(off[j + 1])
                 if a == b:
                     continue  # an n-gram with no continuation drafts nothing
-                blob = encode_tree(batch.tokens[a:b], batch.parents[a:b], batch.weights[a:b], vocab_size=vocab)
+                blob = encode_tree(
+                    batch.tokens[a:b], batch.parents[a:b], batch.weights[a:b], vocab_size=vocab, table=self.table
+                )
                 yield idx, raw[idx * stride : (idx + 1) * stride], int(counts[idx]), blob, b - a
+
+    def key_filter(self) -> KeyFilter:
+        """Return the filter of every key loaded."""
+        dtype = f">u{self.width}"
+        hashes = [
+            hash_keys(np.frombuffer(b"".join(keys), dtype=dtype).astype(np.int64).reshape(-1, n))
+            for n, keys in self.keys.items()
+        ]
+        return KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
 
     def _load_budget(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int:
         """Load rank blocks until the next rank no longer fits the budget; return the T reached."""
@@ -357,6 +375,7 @@ class _Loader:
         self, n: int, rows: Iterable[tuple[int, bytes, int, bytes, int]], advance: Advance
     ) -> Iterator[tuple[bytes, int, int, bytes]]:
         for i, (_, key, count, blob, nodes) in enumerate(rows):
+            self.keys[n].append(key)
             self.kept[n] += 1
             self.covered[n] += count
             self.nodes += nodes

@@ -1,9 +1,11 @@
 """The database schema, defined with SQLAlchemy Core; Alembic migrations in `migrations/` create it.
 
-`crest_stores` holds one row per store version (state building -> published -> retired, or failed).
-`crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills stand-alone tables and
-attaches them as partitions in the same transaction that publishes the version, so readers see either the
-previous version or the new one, never a partial one, and an old version is dropped as a whole.
+`crest_stores` holds one row per store version (state building -> published -> retired, or failed), and
+`crest_store_data` what a client loads once per version: the token table that tree blobs' ranks index and the
+filter of stored keys. `crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills
+stand-alone tables and attaches them as partitions in the same transaction that publishes the version, so
+readers see either the previous version or the new one, never a partial one, and an old version is dropped
+as a whole.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ ngrams = sa.Table(
     postgresql_partition_by="LIST (store_id)",
 )
 sa.Index("crest_ngrams_key", ngrams.c.key, postgresql_using="hash")
+
+store_data = sa.Table(
+    "crest_store_data",
+    metadata,
+    sa.Column("store_id", sa.Integer, sa.ForeignKey("crest_stores.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("token_table", sa.LargeBinary, nullable=False),  # crest_client.codec.TokenTable: ids by rank
+    sa.Column("key_filter", sa.LargeBinary),  # crest_client.keyfilter.KeyFilter over every stored key
+)
 
 vocab = sa.Table(
     "crest_vocab",

@@ -53,6 +53,15 @@ def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:
     assert summary.tokens == 3 * sum(len(tok.encode(t)) for t in TEXT)
     assert summary.table_bytes > 0 and summary.index_bytes > 0
     with Store.connect(db_dsn, "code", tokenizer_fingerprint=tok.fingerprint, timeout=2.0) as store:
+        # blobs hold token ranks (format 2, ranked flag); the filter holds every stored key
+        assert store.info.table is not None and store.info.key_filter is not None
+        with psycopg.connect(db_dsn) as conn:
+            heads = conn.execute(
+                "SELECT DISTINCT get_byte(tree, 0), get_byte(tree, 1) & 1 FROM crest_ngrams"
+            ).fetchall()
+            keys = [bytes(k) for (k,) in conn.execute("SELECT key FROM crest_ngrams")]
+        assert heads == [(2, 1)]
+        assert all(store.candidate_keys(np.frombuffer(k, ">u2").tolist())[0] == k for k in keys)
         ids = tok.encode("def add(a, b):\n    return")
         draft = store.draft(ids)
         assert draft is not None and draft.n >= 2

@@ -6,7 +6,8 @@ import numpy as np
 import psycopg
 import pytest
 from crest_client import FingerprintMismatch, InvalidName, Store, StoreNotFound
-from crest_client.codec import encode_tree, token_width
+from crest_client.codec import TokenTable, encode_tree, token_width
+from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 
@@ -24,7 +25,9 @@ def _tree(first: int, size: int) -> bytes:
     return encode_tree(tokens, parents, weights, vocab_size=VOCAB)
 
 
-def publish(dsn: str, name: str, rows: dict[tuple[int, ...], bytes], *, fingerprint: str = "fp-a") -> int:
+def publish(
+    dsn: str, name: str, rows: dict[tuple[int, ...], bytes], *, fingerprint: str = "fp-a", data: bool = True
+) -> int:
     build = db.begin_build(
         dsn,
         name,
@@ -37,6 +40,9 @@ def publish(dsn: str, name: str, rows: dict[tuple[int, ...], bytes], *, fingerpr
     try:
         build.copy_vocab((i, f"<{i}>") for i in range(VOCAB))
         build.copy_ngrams((_key(k), len(k), 7, tree) for k, tree in rows.items())
+        if data:  # the token table and key filter an ingest writes; without them clients probe every length
+            hashes = np.concatenate([hash_keys(np.array([k])) for k in rows] or [np.zeros(0, np.uint64)])
+            build.write_store_data(TokenTable(np.arange(VOCAB)).to_bytes(), KeyFilter.build(hashes).to_bytes())
         build.finish_tables()
         build.publish({"kept": {"1": len(rows)}})
         return build.store_id
@@ -65,6 +71,24 @@ def test_draft_returns_longest_stored_suffix(store: Store, context: list[int], n
     assert draft is not None
     assert draft.n == n
     assert int(draft.tokens[0]) == first
+
+
+def test_filter_spares_round_trips_for_unstored_contexts(store: Store) -> None:
+    assert store.info.key_filter is not None
+    rng = np.random.default_rng(0)
+    contexts = rng.integers(500, VOCAB, size=(300, 3)).tolist()  # no stored key has a token >= 500
+    assert all(store.draft(ctx) is None for ctx in contexts)
+    assert store.stats["queries"] < 0.1 * store.stats["lookups"]
+    assert store.draft([8, 3, 4, 5]) is not None and store.stats["queries"] >= 1
+
+
+def test_store_without_filter_probes_every_length(db_dsn: str) -> None:
+    publish(db_dsn, "bare", ROWS, data=False)
+    with Store.connect(db_dsn, "bare", timeout=2.0) as bare:
+        assert bare.info.key_filter is None and bare.info.table is None
+        draft = bare.draft([1, 3, 4, 5])
+        assert draft is not None and draft.n == 3 and draft.tokens[0] == 300
+        assert bare.draft([600, 700]) is None and bare.stats["queries"] == 2
 
 
 @pytest.mark.parametrize("context", [[1, 2, 6], [], [VOCAB + 5], [-1]], ids=["unknown", "empty", "oov", "negative"])

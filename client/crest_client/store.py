@@ -1,9 +1,11 @@
 """`Store`: the SDK's handle on one published crest store.
 
-`draft(context_ids)` builds the keys of every suffix of the context up to the store's max n and asks
+`draft(context_ids)` hashes every suffix of the context up to the store's max n, keeps those that the
+version's key filter may hold (a Bloom filter loaded once per version; it never drops a stored key) and asks
 PostgreSQL for the longest one that is stored, in one prepared statement: a UNION ALL of single-key probes of
 the published version's partition, longest first, under LIMIT 1, so the server stops at the first hit (each
-probe is an O(1) hash-index scan). The tree blob is decoded into a `Draft`. The handle re-reads which version
+probe is an O(1) hash-index scan). A context none of whose suffixes passes the filter costs no round trip.
+The tree blob is decoded into a `Draft` with the version's token table. The handle re-reads which version
 is published every `refresh_interval` seconds and whenever its partition is gone, so readers move to a new
 version once it is published, and never see a mix of two. Results are kept in a bounded LRU cache keyed by the
 last max-n tokens. Connections come from a psycopg pool, so one `Store` is safe to share between threads.
@@ -27,7 +29,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from crest_client.codec import decode_tree
+from crest_client.codec import TokenTable, decode_tree
 from crest_client.draft import Draft
 from crest_client.errors import (
     CodecError,
@@ -36,23 +38,23 @@ from crest_client.errors import (
     InvalidName,
     StoreNotFound,
 )
+from crest_client.keyfilter import KeyFilter, suffix_hashes
 
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
+DATA_SQL = "SELECT token_table, key_filter FROM crest_store_data WHERE store_id = %s"
 INFO_SQL = (
     "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params, tokenizer FROM crest_stores"
     " WHERE name = %s AND state = 'published'"
 )
 
 
-def lookup_sql(store_id: int, max_n: int) -> str:
-    """Return the one-round-trip lookup for a store version: probes of n = max_n..1, first hit wins."""
-    probes = [
-        f"(SELECT {n}::int2 AS n, tree FROM crest_ngrams_s{int(store_id)} WHERE key = %s)" for n in range(max_n, 0, -1)
-    ]
-    return " UNION ALL ".join(probes) + " LIMIT 1"
+def lookup_sql(store_id: int, probes: int) -> str:
+    """Return the one-round-trip lookup of `probes` keys of a store version, longest first: first hit wins."""
+    probe = f"(SELECT n, tree FROM crest_ngrams_s{int(store_id)} WHERE key = %s)"
+    return " UNION ALL ".join([probe] * probes) + " LIMIT 1"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class StoreInfo:
     max_n: int
     params: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = ""
+    table: TokenTable | None = field(default=None, repr=False, compare=False)  # blobs' token ranks -> ids
+    key_filter: KeyFilter | None = field(default=None, repr=False, compare=False)  # None: probe every n
 
 
 class Store:
@@ -94,7 +98,7 @@ class Store:
         self._checked = time.monotonic()
         self._set_info(info)
         self._warned: set[str] = set()
-        self.stats = {"lookups": 0, "hits": 0, "errors": 0}
+        self.stats = {"lookups": 0, "hits": 0, "errors": 0, "queries": 0}
 
     @classmethod
     def connect(
@@ -169,6 +173,15 @@ class Store:
         raw = b"".join(t.to_bytes(w, "big") for t in tail)
         return [raw[len(raw) - k * w :] if k <= len(tail) else None for k in range(info.max_n, 0, -1)]
 
+    def candidate_keys(self, tail: Sequence[int]) -> list[bytes]:
+        """Return the keys of the tail's suffixes that may be stored (all, without a filter), longest first."""
+        keys = [k for k in self.keys(tail) if k is not None]
+        found = self.info.key_filter
+        if found is None or not keys:
+            return keys
+        hashes = suffix_hashes(tail[-len(keys) :])  # [k - 1]: the suffix of length k
+        return [key for key, h in zip(keys, reversed(hashes), strict=True) if h in found]
+
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
         """Return the tree of the longest stored suffix of the context, or None."""
         tail = tuple(int(t) for t in context_ids[-self.info.max_n :])
@@ -208,8 +221,13 @@ class Store:
             return out
         try:
             with self._pool.connection(timeout=self._timeout) as conn, conn.pipeline():
-                cursors = [conn.execute(self._sql, self.keys(tail), prepare=True, binary=True) for _, tail in todo]
-                rows = [cur.fetchone() for cur in cursors]
+                cursors = []
+                for _, tail in todo:
+                    keys = self.candidate_keys(tail)
+                    cursors.append(
+                        conn.execute(self._sql[len(keys)], keys, prepare=True, binary=True) if keys else None
+                    )
+                rows = [cur.fetchone() if cur is not None else None for cur in cursors]
         except psycopg.errors.UndefinedTable:
             self._switch_version()
             return out
@@ -245,12 +263,13 @@ class Store:
         if time.monotonic() - self._checked > self._refresh_interval:
             self._switch_version()
         for _ in range(2):  # a second try after the version we knew was dropped
-            keys = self.keys(tail)
+            keys = self.candidate_keys(tail)
             if not keys:
                 return None
+            self.stats["queries"] += 1
             try:
                 with self._pool.connection(timeout=self._timeout) as conn:
-                    row = conn.execute(self._sql, keys, prepare=True, binary=True).fetchone()
+                    row = conn.execute(self._sql[len(keys)], keys, prepare=True, binary=True).fetchone()
             except psycopg.errors.UndefinedTable:
                 if not self._switch_version():
                     return _FAILED
@@ -266,7 +285,7 @@ class Store:
             return None
         n, tree = row
         try:
-            return decode_tree(tree, n=int(n))
+            return decode_tree(tree, n=int(n), table=self.info.table)
         except CodecError as exc:
             self.stats["errors"] += 1
             self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {exc}")
@@ -274,7 +293,7 @@ class Store:
 
     def _set_info(self, info: StoreInfo) -> None:
         self.info = info
-        self._sql = lookup_sql(info.id, info.max_n)
+        self._sql = {k: lookup_sql(info.id, k) for k in range(1, info.max_n + 1)}
 
     def _switch_version(self) -> bool:
         """Re-read which version is published; on a change, follow it and drop the cache."""
@@ -316,6 +335,7 @@ def _read_info(pool: ConnectionPool, name: str, *, timeout: float | None = None)
     if row is None:
         raise StoreNotFound(f"no published store named {name!r}")
     sid, fingerprint, vocab_size, width, params, tokenizer = row
+    table, key_filter = _read_data(pool, name, int(sid))
     return StoreInfo(
         id=int(sid),
         name=name,
@@ -325,4 +345,23 @@ def _read_info(pool: ConnectionPool, name: str, *, timeout: float | None = None)
         max_n=int((params or {}).get("max_n", 4)),
         params=dict(params or {}),
         tokenizer=str(tokenizer or ""),
+        table=table,
+        key_filter=key_filter,
     )
+
+
+def _read_data(pool: ConnectionPool, name: str, store_id: int) -> tuple[TokenTable | None, KeyFilter | None]:
+    """Read a version's token table and key filter (None, None for stores older than them)."""
+    try:
+        with pool.connection() as conn:
+            row = conn.execute(DATA_SQL, (store_id,)).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return None, None
+    except (psycopg.Error, PoolTimeout) as exc:
+        raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
+    if row is None:
+        return None, None
+    try:
+        return TokenTable.from_bytes(row[0]), KeyFilter.from_bytes(row[1]) if row[1] is not None else None
+    except CodecError as exc:
+        raise CodecError(f"store {name!r} has a corrupt token table or key filter: {exc}") from None
