@@ -238,3 +238,35 @@ def test_fuzz_single_byte_corruption(position: int, value: int, version: int) ->
     except CodecError:
         return
     draft.validate()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    trees(),
+    st.sampled_from(["v1", "v1-plain", "v2", "v2-ranked"]),
+    st.sampled_from(["truncate", "extend", "overwrite"]),
+    st.integers(0, 10_000),
+    st.binary(min_size=1, max_size=8),
+)
+def test_fuzz_damaged_real_blobs_raise_only_a_clear_codec_error(
+    tree: tuple[np.ndarray, np.ndarray, np.ndarray, int], kind: str, damage: str, where: int, junk: bytes
+) -> None:
+    tokens, parents, weights, vocab = tree
+    table = TokenTable(np.unique(np.r_[tokens, 0])) if kind == "v2-ranked" else None
+    version = 1 if kind.startswith("v1") else 2
+    blob = encode_tree(
+        tokens, parents, weights, vocab_size=vocab, version=version, compress=kind != "v1-plain", table=table
+    )
+    at = where % (len(blob) + 1)
+    damaged = {
+        "truncate": blob[:at],
+        "extend": blob + junk,
+        "overwrite": blob[:at] + junk + blob[at + len(junk) :],
+    }[damage]
+    try:
+        draft = decode_tree(damaged, table=table)
+    except CodecError as exc:
+        assert str(exc).strip(), "a CodecError says what is wrong"
+        return
+    draft.validate()
+    assert (np.diff(draft.weights) <= 0).all() and (draft.weights >= 0).all()
