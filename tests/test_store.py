@@ -209,6 +209,17 @@ def test_tree_altered_in_the_database_is_a_miss_logged_once(
     assert draft is not None and int(draft.tokens[0]) == 100
 
 
+def test_tree_with_a_token_outside_the_vocabulary_is_a_miss(
+    db_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    wide = encode_tree(np.array([7, VOCAB + 3]), np.array([-1, 0]), np.array([2, 1]), vocab_size=VOCAB * 100)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE crest_ngrams SET tree = %s WHERE n = 3", (wide,))
+    assert store.draft([3, 4, 5]) is None  # well formed, but no model of this store has that token
+    assert sum("outside the store's vocabulary" in r.message for r in caplog.records) == 1
+    assert store.draft([8, 5]) is not None
+
+
 def test_killed_build_is_cleaned_and_previous_version_kept(db_dsn: str) -> None:
     publish(db_dsn, "demo", ROWS)
     build = db.begin_build(

@@ -285,7 +285,10 @@ class Store:
             return None
         n, tree = row
         try:
-            return decode_tree(tree, n=int(n), table=self.info.table)
+            draft = decode_tree(tree, n=int(n), table=self.info.table)
+            if len(draft) and int(draft.tokens.max()) >= self.info.vocab_size:
+                raise CodecError(f"a token id is outside the store's vocabulary of {self.info.vocab_size}")
+            return draft
         except CodecError as exc:
             self.stats["errors"] += 1
             self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {exc}")
