@@ -163,11 +163,11 @@ def bench_load(
         worker.start()
     try:
         for _ in workers:  # every process connected and warmed up
-            failure = ready.get(timeout=120)
+            failure = _receive(ready, workers, timeout=120)
             if failure:
                 raise StoreNotFound(failure)
         go.set()
-        parts = [results.get(timeout=seconds + 120) for _ in workers]
+        parts = [_receive(results, workers, timeout=seconds + 120) for _ in workers]
     finally:
         go.set()
         for worker in workers:
@@ -190,6 +190,23 @@ def bench_load(
         p99_us=float(np.percentile(latencies, 99)) * 1e6 if lookups else 0.0,
         max_us=float(latencies.max()) * 1e6 if lookups else 0.0,
     )
+
+
+def _receive(queue: Any, workers: list[Any], *, timeout: float) -> Any:
+    """Return the next item of `queue`, failing early when a worker process died without sending it."""
+    import queue as queues
+
+    from crest.errors import CrestError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=0.5)
+        except queues.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise CrestError(f"a load process died (exit code {dead[0]})") from None
+    raise CrestError(f"the load processes sent nothing within {timeout:.0f} s")
 
 
 def _load_process(
