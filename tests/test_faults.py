@@ -440,11 +440,6 @@ def test_generation_output_is_unchanged_when_the_store_goes_down_mid_generation(
         assert back.forward_passes < len(want) / 2, "the same store drafts again once the server is back"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the lookup timeout is PostgreSQL's statement_timeout, which a stalled server never "
-    "applies; bounding it needs a client-side deadline in Store (e.g. the lookup in a worker thread)",
-)
 def test_stalled_server_gives_a_miss_within_the_timeout(running: OwnServer) -> None:
     hit = next(c for c in CONTEXTS if snapshot(running.dsn, "words")[tuple(c)] is not None)
     with Store.connect(running.dsn, "words", cache_size=0, timeout=0.01, pool_size=1) as store:

@@ -37,8 +37,8 @@ _CLASS_BITS = (4, 8, 12)  # token classes 0-2; class 3 takes the blob's widest w
 _CLASS_BASE = np.array([0, 16, 16 + 256, 16 + 256 + 4096], dtype=np.int64)
 _PARENT_BITS = np.array([i.bit_length() for i in range(MAX_NODES + 1)], dtype=np.int64)  # parent + 1 <= i
 _LANES = np.arange(64, dtype=np.int64)
-_VIEW = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}
-_MAX_STEP_BITS = 62
+_MASKS = ((np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)).astype(np.uint64)  # [w] low w bits
+_MAX_STEP_BITS = 57  # a value and its bit offset fit one 64-bit window
 
 
 def width_code(max_value: int) -> int:
@@ -177,22 +177,28 @@ def _pack(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     return bits[shifts < widths[:, None]].astype(np.uint8)
 
 
-def _unpack(bits: np.ndarray, pos: int, widths: np.ndarray, nbytes: int) -> np.ndarray:
-    """Read values of the given bit widths from `bits` at `pos`, which must end the stream (zero padding)."""
-    end = pos + int(widths.sum())
-    if end > bits.shape[0]:
+def _unpack(padded: np.ndarray, pos: int, widths: np.ndarray) -> tuple[np.ndarray, int]:
+    """Read values of the given bit widths (<= 57) from the bit stream at bit `pos`; return them and the end.
+
+    `padded` is the stream's bytes plus 8 zero bytes: each value is cut from the 64-bit little-endian word that
+    starts at its first byte, so one gather reads them all.
+    """
+    if widths.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), pos
+    ends = np.cumsum(widths) + pos  # [K]
+    starts = ends - widths
+    end = int(ends[-1])
+    if end > 8 * (padded.shape[0] - 8):
         raise CodecError("tree blob is too short for its fields")
-    if 8 * nbytes - end >= 8 or bits[end:].any():
-        raise CodecError("tree blob has trailing data")
-    top = int(widths.max()) if widths.size else 0
-    lanes = 8 if top <= 8 else 16 if top <= 16 else 32 if top <= 32 else 64
-    at = (pos + np.cumsum(widths) - widths)[:, None] + _LANES[:lanes]  # [K, lanes] bit index of each lane
-    picked = np.take(bits, at, mode="clip") & (widths[:, None] > _LANES[:lanes])
-    return np.packbits(picked, axis=1, bitorder="little").view(_VIEW[lanes])[:, 0].astype(np.int64)
+    words = np.take(padded, (starts >> 3)[:, None] + _LANES[:8]).view("<u8")[:, 0]  # [K] 64-bit windows
+    return ((words >> (starts & 7).astype(np.uint64)) & _MASKS[widths]).astype(np.int64), end
+
+
+_CLASS_WIDTHS = [np.array([*_CLASS_BITS, widest], dtype=np.int64) for widest in range(32)]
 
 
 def _class_widths(widest: int) -> np.ndarray:
-    return np.array([*_CLASS_BITS, widest], dtype=np.int64)
+    return _CLASS_WIDTHS[widest]
 
 
 def _table_width(table: TokenTable) -> int:
@@ -218,7 +224,7 @@ def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, tab
     steps = drops[drops > 0] - 1
     step_bits = int(steps.max()).bit_length() if steps.size else 0
     if step_bits > _MAX_STEP_BITS:
-        raise CodecError("a tree weight needs more than 62 bits")
+        raise CodecError(f"a tree weight step needs more than {_MAX_STEP_BITS} bits")
     cls = np.searchsorted(_CLASS_BASE, ranks, side="right") - 1  # [C] 0..3
     bits = np.concatenate(
         (
@@ -258,30 +264,35 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
     first, pos = _read_varint(data, pos)
     if step_bits > _MAX_STEP_BITS or widest > 0x1F or first >= 1 << 62:
         raise CodecError("tree blob has a field out of range")
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=pos), bitorder="little")
-    fixed = 3 * count - 1
+    padded = np.frombuffer(data + bytes(8), dtype=np.uint8, offset=pos)  # [B + 8]
+    fixed = 3 * count - 1  # class bits, then chain bits
+    bits = np.unpackbits(padded[: (fixed + count + 6) // 8], count=fixed + count - 1, bitorder="little")
     classes = bits[0 : 2 * count : 2] | (bits[1 : 2 * count : 2] << 1)  # [C]
     heads = np.flatnonzero(bits[2 * count : fixed] == 0) + 1  # [H]
-    if fixed + heads.shape[0] > bits.shape[0]:
-        raise CodecError("tree blob is too short for its fields")
     dropped = bits[fixed : fixed + heads.shape[0]].astype(bool)  # [H]
-    drops = int(dropped.sum())
+    drops = int(np.count_nonzero(dropped))
     widths = np.concatenate(
         (_PARENT_BITS[heads], _class_widths(widest)[classes], np.full(drops, step_bits, dtype=np.int64))
     )
-    values = _unpack(bits, fixed + heads.shape[0], widths, len(data) - pos)
+    values, end = _unpack(padded, fixed + heads.shape[0], widths)
+    tail = len(data) - pos
+    if tail != (end + 7) // 8 or (end & 7 and data[-1] >> (end & 7)):
+        raise CodecError("tree blob has trailing data")
     head_parents = values[: heads.shape[0]] - 1
-    ranks = values[heads.shape[0] : heads.shape[0] + count] + _CLASS_BASE[classes]
-    steps = values[heads.shape[0] + count :]
     if (head_parents >= heads).any():
         raise CodecError("tree blob has a node before its parent")
-    if drops + sum(steps.tolist()) > first:
-        raise CodecError("tree blob has a weight out of range")
+    ranks = values[heads.shape[0] : heads.shape[0] + count] + _CLASS_BASE[classes]
     parents = np.arange(-1, count - 1, dtype=np.int32)
     parents[heads] = head_parents
-    falls = np.zeros(count, dtype=np.int64)
-    falls[heads[dropped]] = steps + 1
-    weights = first - np.cumsum(falls)
+    if drops:
+        steps = values[heads.shape[0] + count :]
+        if drops + sum(steps.tolist()) > first:
+            raise CodecError("tree blob has a weight out of range")
+        falls = np.zeros(count, dtype=np.int64)
+        falls[heads[dropped]] = steps + 1
+        weights = first - np.cumsum(falls)
+    else:
+        weights = np.full(count, first, dtype=np.int64)
     if flags & _RANKED:
         assert table is not None
         if int(ranks.max()) >= len(table):

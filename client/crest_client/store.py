@@ -18,15 +18,19 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import psycopg
+from psycopg import pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from crest_client.codec import TokenTable, decode_tree
@@ -38,7 +42,7 @@ from crest_client.errors import (
     InvalidName,
     StoreNotFound,
 )
-from crest_client.keyfilter import KeyFilter, suffix_hashes
+from crest_client.keyfilter import MUL, SEED, KeyFilter
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,10 @@ class Store:
         self._cache_size = max(0, int(cache_size))
         self._cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()
         self._lock = threading.Lock()
+        self._idle: list[psycopg.Connection[Any]] = []  # connections kept out of the pool for lookups
+        self._out = 0  # connections taken from the pool: idle or in use
+        self._kept = threading.Condition(threading.Lock())
+        self._prepared: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
         self._timeout = float(timeout)
         self._refresh_interval = float(refresh_interval)
         self._checked = time.monotonic()
@@ -144,7 +152,7 @@ class Store:
             pool.close()
             raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
         try:
-            info = _read_info(pool, name)
+            info = _read_info(pool.connection, name)
         except BaseException:
             pool.close()
             raise
@@ -175,12 +183,23 @@ class Store:
 
     def candidate_keys(self, tail: Sequence[int]) -> list[bytes]:
         """Return the keys of the tail's suffixes that may be stored (all, without a filter), longest first."""
-        keys = [k for k in self.keys(tail) if k is not None]
-        found = self.info.key_filter
-        if found is None or not keys:
-            return keys
-        hashes = suffix_hashes(tail[-len(keys) :])  # [k - 1]: the suffix of length k
-        return [key for key, h in zip(keys, reversed(hashes), strict=True) if h in found]
+        info = self.info
+        tail = tail[-info.max_n :]
+        found = info.key_filter
+        if found is None:
+            return [k for k in self.keys(tail) if k is not None]
+        w, vocab = info.token_width, info.vocab_size
+        raw, h, out = b"", SEED, []
+        for token in reversed(tail):  # one pass: the hash and key of each longer suffix
+            if token < 0 or token >= vocab:
+                return []
+            raw = token.to_bytes(w, "big") + raw
+            h = ((h ^ token) * MUL) & _M64
+            h ^= h >> 31
+            if h in found:
+                out.append(raw)
+        out.reverse()
+        return out
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
         """Return the tree of the longest stored suffix of the context, or None."""
@@ -220,7 +239,7 @@ class Store:
         if not todo:
             return out
         try:
-            with self._pool.connection(timeout=self._timeout) as conn, conn.pipeline():
+            with self._connection() as conn, conn.pipeline():
                 cursors = []
                 for _, tail in todo:
                     keys = self.candidate_keys(tail)
@@ -251,6 +270,11 @@ class Store:
 
     def close(self) -> None:
         """Close the pool."""
+        with self._kept:
+            idle, self._idle = self._idle, []
+            self._out -= len(idle)
+        for conn in idle:
+            self._pool.putconn(conn)
         self._pool.close()
 
     def __enter__(self) -> Store:
@@ -268,8 +292,7 @@ class Store:
                 return None
             self.stats["queries"] += 1
             try:
-                with self._pool.connection(timeout=self._timeout) as conn:
-                    row = conn.execute(self._sql[len(keys)], keys, prepare=True, binary=True).fetchone()
+                row = self._probe_idle(keys)
             except psycopg.errors.UndefinedTable:
                 if not self._switch_version():
                     return _FAILED
@@ -279,6 +302,112 @@ class Store:
                 return _FAILED
             return self._to_draft(row)
         return _FAILED
+
+    def _take(self) -> psycopg.Connection[Any]:
+        """Take a kept connection, or one more from the pool while fewer than its size are out.
+
+        Connections stay out of the pool between lookups (a pool check-out costs 10-25 us); waiting for one
+        is bounded by the lookup timeout.
+        """
+        deadline = time.monotonic() + self._timeout
+        with self._kept:
+            while not self._idle:
+                if self._out < self._pool.max_size:
+                    self._out += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._kept.wait(left):
+                    raise PoolTimeout(f"no connection free within {self._timeout:g} s")
+            else:
+                return self._idle.pop()
+        try:
+            return self._pool.getconn(timeout=self._timeout)
+        except BaseException:
+            self._drop(None)
+            raise
+
+    def _keep(self, conn: psycopg.Connection[Any]) -> None:
+        with self._kept:
+            self._idle.append(conn)
+            self._kept.notify()
+
+    def _drop(self, conn: psycopg.Connection[Any] | None) -> None:
+        """Hand a connection that failed back to the pool, which replaces it if it is broken."""
+        if conn is not None:
+            self._pool.putconn(conn)
+        with self._kept:
+            self._out -= 1
+            self._kept.notify()
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """Lend a kept connection for a statement."""
+        conn = self._take()
+        try:
+            yield conn
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._keep(conn)
+
+    def _probe_idle(self, keys: list[bytes]) -> tuple[int, bytes] | None:
+        """Probe on a kept connection (the hot path, without a context manager)."""
+        conn = self._take()
+        try:
+            row = self._probe(conn, keys)
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._keep(conn)
+        return row
+
+    def _probe(self, conn: psycopg.Connection[Any], keys: list[bytes]) -> tuple[int, bytes] | None:
+        """Run the lookup of `keys` on libpq directly (the hot path; psycopg's cursor layer costs ~40 us)."""
+        pgconn = conn.pgconn
+        name = self._names[len(keys)]
+        prepared = self._prepared.get(conn)
+        if prepared is None:
+            with self._lock:
+                prepared = self._prepared.setdefault(conn, set())
+        if name not in prepared:
+            _check(pgconn.prepare(name, self._raw_sql[len(keys)], [_BYTEA] * len(keys)))
+            prepared.add(name)
+        res = _check(self._run(conn, name, keys))
+        if res.ntuples == 0:
+            return None
+        n, tree = res.get_value(0, 0), res.get_value(0, 1)
+        if n is None or tree is None:
+            return None
+        return int.from_bytes(n, "big", signed=True), tree
+
+    def _run(self, conn: psycopg.Connection[Any], name: bytes, keys: list[bytes]) -> Any:
+        """Send the prepared lookup and wait for its result until the lookup timeout, on the client's clock.
+
+        The server's statement_timeout bounds a slow query; this bounds a server that stopped answering: the
+        connection is then closed (the pool replaces it) and the lookup fails.
+        """
+        pgconn = conn.pgconn
+        pgconn.send_query_prepared(name, keys, param_formats=[1] * len(keys), result_format=1)
+        deadline = time.monotonic() + self._timeout
+        result = None
+        while True:
+            while True:
+                sending = pgconn.flush()
+                if not sending and not pgconn.is_busy():
+                    break
+                left = deadline - time.monotonic()
+                fd = pgconn.socket
+                ready = select.select([fd], [fd] if sending else [], [], max(0.0, left)) if left > 0 else ([], [])
+                if not ready[0] and not ready[1]:
+                    conn.close()
+                    raise psycopg.OperationalError(f"no answer within {self._timeout:g} s; connection closed")
+                if ready[0]:
+                    pgconn.consume_input()
+            res = pgconn.get_result()
+            if res is None:
+                return result
+            if result is None or res.status != pq.ExecStatus.TUPLES_OK:
+                result = res
 
     def _to_draft(self, row: Any) -> Draft | None:
         if row is None:
@@ -297,12 +426,14 @@ class Store:
     def _set_info(self, info: StoreInfo) -> None:
         self.info = info
         self._sql = {k: lookup_sql(info.id, k) for k in range(1, info.max_n + 1)}
+        self._names = {k: f"crest_lookup_s{info.id}_{k}".encode() for k in self._sql}
+        self._raw_sql = {k: _numbered(self._sql[k]).encode() for k in self._sql}  # %s -> $1, $2, ...
 
     def _switch_version(self) -> bool:
         """Re-read which version is published; on a change, follow it and drop the cache."""
         self._checked = time.monotonic()
         try:
-            info = _read_info(self._pool, self.name, timeout=self._timeout)  # bounded like a lookup
+            info = _read_info(self._connection, self.name, known=self.info)  # bounded like a lookup
         except Exception as exc:  # store dropped or database gone: keep serving misses
             self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
             return False
@@ -325,20 +456,48 @@ class Store:
             log.warning(message)
 
 
+_BYTEA = 17  # type oid
+_M64 = (1 << 64) - 1
 _MISSING: Any = object()
+
+
+def _numbered(query: str) -> str:
+    parts = query.split("%s")
+    return "".join(part + (f"${i}" if i < len(parts) else "") for i, part in enumerate(parts, 1))
+
+
+def _check(res: Any) -> Any:
+    """Return a libpq result, or raise the psycopg error its SQLSTATE names."""
+    if res.status in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+        return res
+    state = res.error_field(pq.DiagnosticField.SQLSTATE)
+    message = (res.error_message or b"").decode(errors="replace").strip() or "lookup failed"
+    if state is None:
+        raise psycopg.OperationalError(message)
+    raise psycopg.errors.lookup(state.decode())(message)
+
+
 _FAILED: Any = object()
 
 
-def _read_info(pool: ConnectionPool, name: str, *, timeout: float | None = None) -> StoreInfo:
+def _read_info(
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+    name: str,
+    *,
+    known: StoreInfo | None = None,
+) -> StoreInfo:
     try:
-        with pool.connection(timeout=timeout) as conn:
+        with connection() as conn:
             row = conn.execute(INFO_SQL, (name,)).fetchone()
     except (psycopg.Error, PoolTimeout) as exc:
         raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
     if row is None:
         raise StoreNotFound(f"no published store named {name!r}")
     sid, fingerprint, vocab_size, width, params, tokenizer = row
-    table, key_filter = _read_data(pool, name, int(sid))
+    if known is not None and known.id == int(sid):
+        table, key_filter = known.table, known.key_filter  # same version: its data never changes
+    else:
+        table, key_filter = _read_data(connection, name, int(sid))
     return StoreInfo(
         id=int(sid),
         name=name,
@@ -353,10 +512,12 @@ def _read_info(pool: ConnectionPool, name: str, *, timeout: float | None = None)
     )
 
 
-def _read_data(pool: ConnectionPool, name: str, store_id: int) -> tuple[TokenTable | None, KeyFilter | None]:
+def _read_data(
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]], name: str, store_id: int
+) -> tuple[TokenTable | None, KeyFilter | None]:
     """Read a version's token table and key filter (None, None for stores older than them)."""
     try:
-        with pool.connection() as conn:
+        with connection() as conn:
             row = conn.execute(DATA_SQL, (store_id,)).fetchone()
     except psycopg.errors.UndefinedTable:
         return None, None
