@@ -72,6 +72,7 @@ class IngestOptions:
     seed: int = 0
     selection: str = "combined"  # combined | single | upto
     single_n: int | None = None
+    blob_format: int = 2  # 2: compact (bit-packed, ranked tokens); 1: byte arrays, cheaper to decode
 
     def validate(self) -> IngestOptions:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -89,6 +90,8 @@ class IngestOptions:
         ):
             if not low <= value <= high:
                 raise ConfigError(f"{label} must be between {low} and {high}, got {value}")
+        if self.blob_format not in (1, 2):
+            raise ConfigError(f"--blob-format must be 1 or 2, got {self.blob_format}")
         if self.selection not in ("combined", "single", "upto"):
             raise ConfigError(f"unknown selection {self.selection!r}: use combined, single or upto")
         if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):

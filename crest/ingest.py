@@ -326,7 +326,12 @@ class _Loader:
                 if a == b:
                     continue  # an n-gram with no continuation drafts nothing
                 blob = encode_tree(
-                    batch.tokens[a:b], batch.parents[a:b], batch.weights[a:b], vocab_size=vocab, table=self.table
+                    batch.tokens[a:b],
+                    batch.parents[a:b],
+                    batch.weights[a:b],
+                    vocab_size=vocab,
+                    table=self.table if opts.blob_format == 2 else None,
+                    version=opts.blob_format,
                 )
                 yield idx, raw[idx * stride : (idx + 1) * stride], int(counts[idx]), blob, b - a
 

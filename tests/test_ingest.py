@@ -15,6 +15,7 @@ import pytest
 from crest_client import FingerprintMismatch, Store
 
 from crest.config import IngestOptions
+from crest.errors import ConfigError
 from crest.ingest import ingest
 from crest.tokenize import load_tokenizer
 
@@ -151,3 +152,33 @@ def test_bad_input_is_a_clear_error(db_dsn: str, tmp_path: Path, gguf: str, case
     assert re.search(message, done.stderr), done.stderr
     with psycopg.connect(db_dsn) as conn:  # nothing half-written
         assert conn.execute("SELECT count(*) FROM crest_stores WHERE state <> 'failed'").fetchone() == (0,)
+
+
+def test_blob_formats_store_the_same_trees(db_dsn: str, corpus: Path, gguf: str) -> None:
+    tok = load_tokenizer(gguf)
+    for fmt in (1, 2):
+        ingest(
+            [str(corpus)],
+            store=f"f{fmt}",
+            tokenizer=gguf,
+            dsn=db_dsn,
+            options=IngestOptions(top_t=300, blob_format=fmt),
+        )
+    with psycopg.connect(db_dsn) as conn:
+        versions = dict(
+            conn.execute(
+                "SELECT s.name, array_agg(DISTINCT get_byte(g.tree, 0)) FROM crest_ngrams g"
+                " JOIN crest_stores s ON s.id = g.store_id GROUP BY s.name"
+            ).fetchall()
+        )
+    assert versions == {"f1": [1], "f2": [2]}
+    with Store.connect(db_dsn, "f1", timeout=2.0) as one, Store.connect(db_dsn, "f2", timeout=2.0) as two:
+        for text in TEXT:
+            ids = tok.encode(text)
+            for end in range(1, len(ids) + 1):
+                a, b = one.draft(ids[:end]), two.draft(ids[:end])
+                assert (a is None) == (b is None)
+                if a is not None and b is not None:
+                    assert (a.n, a.paths(), a.weights.tolist()) == (b.n, b.paths(), b.weights.tolist())
+    with pytest.raises(ConfigError, match="blob-format"):
+        IngestOptions(top_t=5, blob_format=3).validate()
