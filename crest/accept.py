@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -215,8 +215,10 @@ def measure(
     dsn: str,
     fingerprint: str,
     out: Path,
+    note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Generate every prompt plainly, replay every drafter and size on it, time the sizes `timing` asks for."""
+    started = time.perf_counter()
     from crest_client import Store
 
     from crest.rest import RestIndex
@@ -247,6 +249,7 @@ def measure(
     references: list[list[int]] = []
     try:
         for i, ids in enumerate(prompt_ids):
+            note(f"prompt {i + 1}/{len(prompt_ids)}: {len(ids)} tokens, {time.perf_counter() - started:.0f} s so far")
             ref = base.generate(ids, drafter=NoneDrafter(), max_new_tokens=opts.max_new_tokens)
             references.append(ref.output_token_ids)
             base_tokens, base_seconds = base_tokens + ref.new_tokens, base_seconds + ref.seconds
@@ -397,7 +400,15 @@ def ablate(
     return {**curves, "tree_sizes": trees, "prompts": count, "method": "replay"}
 
 
-def run_accept(opts: AcceptOptions, *, model: str, dsn: str, out: Path, argv: Sequence[str] = ()) -> dict[str, Any]:
+def run_accept(
+    opts: AcceptOptions,
+    *,
+    model: str,
+    dsn: str,
+    out: Path,
+    argv: Sequence[str] = (),
+    note: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
     """Build the datastores, measure every drafter and size, write accept.json, accept.md and the plots."""
     from crest.accept_report import compare, versions, write_markdown, write_plots
     from crest.models import load_model
@@ -444,6 +455,7 @@ def run_accept(opts: AcceptOptions, *, model: str, dsn: str, out: Path, argv: Se
                     rebuild=opts.rebuild,
                 )
             )
+    note(f"datastores ready: {', '.join(v.name for v in (*rest, *crest))}")
     loaded = load_model(model, device=opts.device, dtype=opts.dtype)
     prompt_ids = [loaded.encode_prompt(p, chat=chat) for p in prompts]
     measured = measure(
@@ -455,6 +467,7 @@ def run_accept(opts: AcceptOptions, *, model: str, dsn: str, out: Path, argv: Se
         dsn=dsn,
         fingerprint=fingerprint,
         out=out,
+        note=note,
     )
     ablations = None
     if opts.ablations:

@@ -420,7 +420,14 @@ def bench_accept_cmd(
         device=device,
         dtype=dtype,
     ).validate()
-    results = run_accept(options, model=model, dsn=resolve_dsn(dsn), out=Path(out), argv=["crest", *sys.argv[1:]])
+    results = run_accept(
+        options,
+        model=model,
+        dsn=resolve_dsn(dsn),
+        out=Path(out),
+        argv=["crest", *sys.argv[1:]],
+        note=lambda line: typer.echo(line, err=True),
+    )
     typer.echo("\n".join(main_table(results["rows"])))
     typer.echo(f"results: {Path(out) / 'accept.json'}, {Path(out) / 'accept.md'}, {len(results['plots'])} plot(s)")
 
