@@ -440,9 +440,12 @@ def test_generation_output_is_unchanged_when_the_store_goes_down_mid_generation(
         assert back.forward_passes < len(want) / 2, "the same store drafts again once the server is back"
 
 
-def test_stalled_server_gives_a_miss_within_the_timeout(running: OwnServer) -> None:
+@pytest.mark.parametrize("refresh", [60.0, 0.0], ids=["lookup", "version-refresh"])
+def test_stalled_server_gives_a_miss_within_the_timeout(running: OwnServer, refresh: float) -> None:
     hit = next(c for c in CONTEXTS if snapshot(running.dsn, "words")[tuple(c)] is not None)
-    with Store.connect(running.dsn, "words", cache_size=0, timeout=0.01, pool_size=1) as store:
+    with Store.connect(
+        running.dsn, "words", cache_size=0, timeout=0.01, pool_size=1, refresh_interval=refresh
+    ) as store:
         assert wait_for_draft(store, hit) is not None
         with psycopg.connect(running.dsn, autocommit=True) as conn:
             pids = [

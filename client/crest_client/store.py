@@ -386,8 +386,12 @@ class Store:
         The server's statement_timeout bounds a slow query; this bounds a server that stopped answering: the
         connection is then closed (the pool replaces it) and the lookup fails.
         """
+        conn.pgconn.send_query_prepared(name, keys, param_formats=[1] * len(keys), result_format=1)
+        return self._wait(conn)
+
+    def _wait(self, conn: psycopg.Connection[Any]) -> Any:
+        """Wait for the result of the query sent on `conn` until the lookup timeout; close `conn` past it."""
         pgconn = conn.pgconn
-        pgconn.send_query_prepared(name, keys, param_formats=[1] * len(keys), result_format=1)
         deadline = time.monotonic() + self._timeout
         result = None
         while True:
@@ -429,9 +433,22 @@ class Store:
         self._names = {k: f"crest_lookup_s{info.id}_{k}".encode() for k in self._sql}
         self._raw_sql = {k: _numbered(self._sql[k]).encode() for k in self._sql}  # %s -> $1, $2, ...
 
+    def _published_id(self) -> int | None:
+        """Return the id of the published version, read within the lookup timeout (None: none published)."""
+        with self._connection() as conn:
+            conn.pgconn.send_query_params(_PUBLISHED_SQL, [self.name.encode()])
+            res = _check(self._wait(conn))
+        return int(res.get_value(0, 0)) if res.ntuples else None
+
     def _switch_version(self) -> bool:
         """Re-read which version is published; on a change, follow it and drop the cache."""
         self._checked = time.monotonic()
+        try:
+            if self._published_id() == self.info.id:  # the usual case, bounded even if the server stalls
+                return True
+        except (psycopg.Error, PoolTimeout) as exc:
+            self._warn_once("switch", f"store {self.name!r} could not be re-read: {exc}")
+            return False
         try:
             info = _read_info(self._connection, self.name, known=self.info)  # bounded like a lookup
         except Exception as exc:  # store dropped or database gone: keep serving misses
@@ -457,6 +474,7 @@ class Store:
 
 
 _BYTEA = 17  # type oid
+_PUBLISHED_SQL = b"SELECT id FROM crest_stores WHERE name = $1 AND state = 'published'"
 _M64 = (1 << 64) - 1
 _MISSING: Any = object()
 
