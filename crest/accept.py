@@ -218,14 +218,14 @@ def measure(
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Generate every prompt plainly, replay every drafter and size on it, time the sizes `timing` asks for."""
-    started = time.perf_counter()
     from crest_client import Store
 
     from crest.rest import RestIndex
 
+    started = time.perf_counter()
+
     model, tokenizer = loaded.model, loaded.tokenizer
-    base = _generator(model, tokenizer, max_draft_tokens=opts.max_draft_tokens, cost=None)
-    cost = base.cost() if opts.max_draft_tokens is None else None
+    base = _generator(model, tokenizer, max_draft_tokens=0, cost=None)  # plain decoding, no calibration needed
     max_positions = base.max_positions
     indexes = {v.name: RestIndex.load(out / v.name) for v in rest}
     stores = {
@@ -241,9 +241,11 @@ def measure(
     largest = {d: max((v for n, v in keys if n == d and v), key=lambda v: v.nbytes, default=None) for d in NAMES}
     timed = [k for k in keys if k[0] != "none" and opts.timing != "none"]
     timed = [k for k in timed if opts.timing == "all" or k[1] is largest[k[0]]]
+    adaptive = opts.max_draft_tokens is None
     fresh = {"tokens": 0, "steps": 0, "draft": [], "real_tokens": 0, "real_seconds": 0.0, "real_steps": 0, "exact": 0}
     acc: dict[str, dict[str, Any]] = {_key(k): {**fresh, "draft": []} for k in keys}
     base_tokens, base_seconds, checks = 0, 0.0, []
+    cost = _generator(model, tokenizer, max_draft_tokens=None, cost=None).cost() if timed and adaptive else None
     gens = {_key(k): _generator(model, tokenizer, max_draft_tokens=opts.max_draft_tokens, cost=cost) for k in timed}
     fixed = _generator(model, tokenizer, max_draft_tokens=opts.max_nodes, cost=None)
     references: list[list[int]] = []
