@@ -64,6 +64,7 @@ class TokenTable:
         if np.unique(self.tokens).shape[0] != self.tokens.shape[0]:
             raise CodecError("a token table lists a token twice")
         self._ranks: np.ndarray | None = None
+        self.widest = max(0, len(self.tokens) - 1 - int(_CLASS_BASE[3])).bit_length()  # class 3's width
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -203,7 +204,7 @@ def _class_widths(widest: int) -> np.ndarray:
 
 def _table_width(table: TokenTable) -> int:
     """Return the widest token class's width for ranks of `table`."""
-    return max(0, len(table) - 1 - int(_CLASS_BASE[3])).bit_length()
+    return table.widest
 
 
 def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, table: TokenTable | None) -> bytes:
@@ -295,9 +296,10 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
         weights = np.full(count, first, dtype=np.int64)
     if flags & _RANKED:
         assert table is not None
-        if int(ranks.max()) >= len(table):
-            raise CodecError("tree blob has a token rank beyond the store's token table")
-        tokens = table.tokens[ranks]
+        try:
+            tokens = table.tokens.take(ranks)
+        except IndexError:
+            raise CodecError("tree blob has a token rank beyond the store's token table") from None
     else:
         tokens = ranks
     return Draft(tokens, parents, weights, n)

@@ -419,7 +419,8 @@ class Store:
         n, tree = row
         try:
             draft = decode_tree(tree, n=int(n), table=self.info.table)
-            if len(draft) and int(draft.tokens.max()) >= self.info.vocab_size:
+            ranked = tree[:1] == b"\x02" and len(tree) > 1 and tree[1] & 1  # ids from the checked table
+            if len(draft) and not ranked and int(draft.tokens.max()) >= self.info.vocab_size:
                 raise CodecError(f"a token id is outside the store's vocabulary of {self.info.vocab_size}")
             return draft
         except CodecError as exc:
@@ -515,7 +516,7 @@ def _read_info(
     if known is not None and known.id == int(sid):
         table, key_filter = known.table, known.key_filter  # same version: its data never changes
     else:
-        table, key_filter = _read_data(connection, name, int(sid))
+        table, key_filter = _read_data(connection, name, int(sid), int(vocab_size))
     return StoreInfo(
         id=int(sid),
         name=name,
@@ -531,7 +532,7 @@ def _read_info(
 
 
 def _read_data(
-    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]], name: str, store_id: int
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]], name: str, store_id: int, vocab: int
 ) -> tuple[TokenTable | None, KeyFilter | None]:
     """Read a version's token table and key filter (None, None for stores older than them)."""
     try:
@@ -544,6 +545,9 @@ def _read_data(
     if row is None:
         return None, None
     try:
-        return TokenTable.from_bytes(row[0]), KeyFilter.from_bytes(row[1]) if row[1] is not None else None
+        table = TokenTable.from_bytes(row[0])
+        if len(table) and int(table.tokens.max()) >= vocab:
+            raise CodecError(f"a token id is outside the vocabulary of {vocab}")
+        return table, KeyFilter.from_bytes(row[1]) if row[1] is not None else None
     except CodecError as exc:
         raise CodecError(f"store {name!r} has a corrupt token table or key filter: {exc}") from None
