@@ -46,6 +46,10 @@ def ingest(
     seed: Annotated[int, typer.Option(help="Seed of the occurrence sampling.")] = 0,
     selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
+    blob_format: Annotated[
+        int,
+        typer.Option(envvar="CREST_BLOB_FORMAT", help="Tree blobs: 2 compact, 1 larger but faster to decode."),
+    ] = 2,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
     chunk_tokens: Annotated[
         int, typer.Option(envvar="CREST_CHUNK_TOKENS", help="Corpus positions scanned at once (bounds peak memory).")
@@ -67,6 +71,7 @@ def ingest(
         seed=seed,
         selection=selection,
         single_n=single_n,
+        blob_format=blob_format,
     ).validate()
     if options.top_t is None and options.budget is None:
         options = IngestOptions(**{**options.__dict__, "top_t": 100_000}).validate()
@@ -268,6 +273,38 @@ def rest_build(
 
     nbytes, tokens = build_rest_index(inputs, out=out, tokenizer=tokenizer, fmt=fmt)
     typer.echo(f"REST index of {tokens:,} tokens written to {out} ({nbytes:,} bytes)")
+
+
+@bench_app.command("ingest")
+def bench_ingest(
+    inputs: Annotated[list[str], typer.Argument(help="Files, directories or globs to read.")],
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", "-t", envvar="CREST_TOKENIZER", help="HF tokenizer dir/name or .gguf file.")
+    ] = "smollm2",
+    store: Annotated[str, typer.Option("--store", "-s", help="Store to build (replaced).")] = "bench_ingest",
+    fmt: Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")] = "auto",
+    max_n: Annotated[int, typer.Option(help="Largest n-gram length.")] = 4,
+    top_t: Annotated[int, typer.Option(help="Keep the T most common n-grams of each n.")] = 100_000,
+    tree_size: Annotated[int, typer.Option(help="Nodes kept per tree.")] = 64,
+    blob_format: Annotated[int, typer.Option(help="Tree blobs: 2 compact, 1 faster to decode.")] = 2,
+    keep: Annotated[bool, typer.Option("--keep/--drop", help="Keep the store afterwards.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Run a full ingest and print tokens/s per stage, peak memory and bytes per n-gram against the targets."""
+    from crest import db
+    from crest.bench import ingest_figures
+    from crest.config import IngestOptions, resolve_dsn
+    from crest.display import print_figures
+    from crest.ingest import ingest as run_ingest
+
+    url = resolve_dsn(dsn)
+    options = IngestOptions(max_n=max_n, top_t=top_t, tree_size=tree_size, blob_format=blob_format).validate()
+    summary = run_ingest(inputs, store=store, tokenizer=tokenizer, dsn=url, options=options, fmt=fmt)
+    if not keep:
+        with db.session(url) as conn:
+            db.drop_store(conn, store)
+    print_figures(f"ingest of {len(inputs)} input(s) into {store!r}", ingest_figures(summary), as_json=as_json)
 
 
 @bench_app.command("lookup")
