@@ -354,6 +354,7 @@ def ablate(
     prompt_ids: list[list[int]],
     references: list[list[int]],
     max_positions: int,
+    note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Measure M (replay, crest drafter) for single-n and n <= m stores at each ablation top-t; tree sizes."""
     from crest_client import Store
@@ -369,6 +370,7 @@ def ablate(
                 variant = build_store(
                     corpus, name=name, tokenizer=model, dsn=dsn, options=options, out=out, rebuild=opts.rebuild
                 )
+                note(f"ablation store {name}: {variant.rows:,} n-grams, {variant.nbytes:,} bytes")
                 tokens = steps = 0
                 with Store.connect(dsn, name, tokenizer_fingerprint=fingerprint, timeout=1.0, pool_size=1) as store:
                     for ids, ref in zip(prompt_ids[:count], references[:count], strict=True):
@@ -484,6 +486,7 @@ def run_accept(
             prompt_ids=prompt_ids,
             references=measured["references"],
             max_positions=int(getattr(loaded.model.config, "max_position_embeddings", 1 << 30)),
+            note=note,
         )
     results = {
         "command": shlex.join(argv) if argv else None,

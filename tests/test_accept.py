@@ -131,3 +131,28 @@ def test_options_are_checked() -> None:
         AcceptOptions(setting="code", drafters=("bogus",)).validate()
     with pytest.raises(ConfigError):
         AcceptOptions(setting="code", percents=(0.0,)).validate()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--setting", "bogus"], "unknown setting"),
+        (["--setting", "code", "--drafters", "none,nope"], "unknown drafter"),
+        (["--setting", "code", "--sizes", "0"], "--sizes"),
+        (["--setting", "code", "--timing", "sometimes"], "--timing"),
+        ([], "--setting chat|code"),
+    ],
+    ids=["setting", "drafter", "sizes", "timing", "nothing"],
+)
+def test_cli_rejects_bad_options(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], message: str
+) -> None:
+    import sys
+
+    from crest.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["crest", "bench", "accept", "--out", str(tmp_path), *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 2  # ConfigError
+    assert message in capsys.readouterr().err
