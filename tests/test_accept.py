@@ -124,6 +124,27 @@ def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path) -> None
     assert [d["name"] for d in again["datastores"] if not d["reused"]] == []
 
 
+def test_hold_out_removes_whole_conversations(tmp_path: Path) -> None:
+    from crest.corpus import iter_documents
+    from crest.datastores import hold_out
+    from tests.fix_corpus import write_sharegpt
+
+    records = [
+        {
+            "id": str(i),
+            "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"a{i}"}],
+        }
+        for i in range(10)
+    ]
+    source = write_sharegpt(tmp_path / "chats.json", records)
+    prompts = hold_out(source, tmp_path / "kept.jsonl", count=3, seed=7)
+    assert len(prompts) == 3 and prompts == hold_out(source, tmp_path / "again.jsonl", count=3, seed=7)
+    held = {p.split()[1] for p in prompts}
+    docs = list(iter_documents([str(tmp_path / "kept.jsonl")], fmt="jsonl"))
+    assert len(docs) == 2 * 7  # every turn of the seven kept conversations, one document each
+    assert not any(d in (f"question {i}", f"a{i}") for d in docs for i in held)
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(ConfigError):
         AcceptOptions().validate()
