@@ -258,3 +258,14 @@ def test_store_is_safe_to_share_between_threads(db_dsn: str) -> None:
         firsts = [int(d.tokens[0]) if d is not None else None for d in results]
         assert firsts == [300, 100, 400, None] * 50
         assert store.stats["errors"] == 0
+
+
+def test_connect_reads_large_store_data_beyond_the_lookup_timeout(db_dsn: str) -> None:
+    sid = publish(db_dsn, "demo", ROWS)
+    rng = np.random.default_rng(0)
+    big = KeyFilter.build(rng.integers(0, 2**63, size=4_000_000, dtype=np.uint64))  # ~5 MB, like a large store's
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE crest_store_data SET key_filter = %s WHERE store_id = %s", (big.to_bytes(), sid))
+    # a 1 ms lookup timeout must not apply to reading the version's data once
+    with Store.connect(db_dsn, "demo", timeout=0.001) as store:
+        assert store.info.key_filter is not None and len(store.info.key_filter) == len(big)

@@ -152,7 +152,7 @@ class Store:
             pool.close()
             raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
         try:
-            info = _read_info(pool.connection, name)
+            info = _read_info(pool.connection, name, data_timeout=connect_timeout)
         except BaseException:
             pool.close()
             raise
@@ -451,7 +451,8 @@ class Store:
             self._warn_once("switch", f"store {self.name!r} could not be re-read: {exc}")
             return False
         try:
-            info = _read_info(self._connection, self.name, known=self.info)  # bounded like a lookup
+            # a new version's data is read once; give it more than a lookup's timeout
+            info = _read_info(self._connection, self.name, known=self.info, data_timeout=max(1.0, 100 * self._timeout))
         except Exception as exc:  # store dropped or database gone: keep serving misses
             self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
             return False
@@ -504,6 +505,7 @@ def _read_info(
     name: str,
     *,
     known: StoreInfo | None = None,
+    data_timeout: float = 10.0,
 ) -> StoreInfo:
     try:
         with connection() as conn:
@@ -516,7 +518,7 @@ def _read_info(
     if known is not None and known.id == int(sid):
         table, key_filter = known.table, known.key_filter  # same version: its data never changes
     else:
-        table, key_filter = _read_data(connection, name, int(sid), int(vocab_size))
+        table, key_filter = _read_data(connection, name, int(sid), int(vocab_size), timeout=data_timeout)
     return StoreInfo(
         id=int(sid),
         name=name,
@@ -532,11 +534,17 @@ def _read_info(
 
 
 def _read_data(
-    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]], name: str, store_id: int, vocab: int
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+    name: str,
+    store_id: int,
+    vocab: int,
+    *,
+    timeout: float,
 ) -> tuple[TokenTable | None, KeyFilter | None]:
     """Read a version's token table and key filter (None, None for stores older than them)."""
     try:
-        with connection() as conn:
+        with connection() as conn, conn.transaction():  # a transaction: SET LOCAL ends with it
+            conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout * 1000))}")
             row = conn.execute(DATA_SQL, (store_id,)).fetchone()
     except psycopg.errors.UndefinedTable:
         return None, None
