@@ -49,7 +49,8 @@ class Variant:
     top_t: int | None = None
     selection: str = "combined"
     n: int | None = None
-    rows: int = 0
+    rows: int = 0  # crest: n-grams stored
+    documents: int = 0  # REST: documents in the sample
     tokens: int = 0
     avg_tree_nodes: float = 0.0
     file_bytes: int = 0
@@ -172,7 +173,7 @@ def build_rest_indexes(
                 nbytes=index.nbytes,
                 percent=p,
                 tokens=len(index),
-                rows=int(meta.get("documents", 0)),
+                documents=int(meta.get("documents", 0)),
                 file_bytes=sum(f.stat().st_size for f in wanted[p].iterdir() if f.suffix == ".npy"),
                 reused=p not in todo,
             )
