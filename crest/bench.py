@@ -339,8 +339,13 @@ def bench_generate(
         name: open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
         for name in drafters
     }
-    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
-    gen.cost()
+    gens = {  # one per drafter: each learns its own acceptance estimate; the cost model is shared
+        name: SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
+        for name in drafters
+    }
+    cost = next(iter(gens.values())).cost() if gens else None
+    for gen in gens.values():
+        gen._cost = cost
     totals: dict[str, dict[str, Any]] = {
         name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "draft": [], "exact": 0} for name in ["generate", *drafters]
     }
@@ -350,7 +355,7 @@ def bench_generate(
         totals["generate"]["tokens"] += base.new_tokens
         totals["generate"]["seconds"] += base.new_tokens / max(base.tokens_per_second, 1e-9)
         for name, source in sources.items():
-            result = gen.generate(ids, drafter=source, max_new_tokens=max_new_tokens)
+            result = gens[name].generate(ids, drafter=source, max_new_tokens=max_new_tokens)
             row = totals[name]
             row["tokens"] += result.new_tokens
             row["seconds"] += result.new_tokens / max(result.tokens_per_second, 1e-9)

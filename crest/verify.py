@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2 and tiny), qwen2 and mistral (tiny)
 ATTENTION = ("sdpa", "eager")  # attention kernels that honour a custom 4-D additive mask
 EXPLORE_EVERY = 16  # steps without a worthwhile draft before one is verified anyway
+EXPLORE_NODES = 4  # at most this many nodes in such a probe: enough to learn from, cheap to verify
 
 
 class Drafter(Protocol):
@@ -336,7 +337,8 @@ class SpeculativeGenerator:
             self._idle = 0 if size else self._idle + 1
             if not size and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY):
                 # without verified drafts the acceptance estimate cannot learn: now and then trust the weights
-                size, self._idle = max(1, choose_draft_size(draft, self.cost(), acceptance_scale=1.0)), 0
+                trusted = choose_draft_size(draft, self.cost(), acceptance_scale=1.0)
+                size, self._idle = max(1, min(trusted, EXPLORE_NODES)), 0
         predicted = float(path_probabilities(draft)[:size].sum())  # normalised over the whole draft
         return draft.truncate(size), predicted
 
