@@ -190,7 +190,7 @@ class Store:
             return [k for k in self.keys(tail) if k is not None]
         w, vocab = info.token_width, info.vocab_size
         raw, h, out = b"", SEED, []
-        for token in reversed(tail):  # one pass: the hash and key of each longer suffix
+        for token in reversed(tail):  # one pass: keyfilter.suffix_hashes' hash and the key of each longer suffix
             if token < 0 or token >= vocab:
                 return []
             raw = token.to_bytes(w, "big") + raw
