@@ -325,8 +325,13 @@ def bench_generate(
     device: str = "cpu",
     dtype: str = "float32",
     max_draft_tokens: int | None = None,
+    records: Any = None,
 ) -> list[DrafterFigures]:
-    """Generate every prompt with `model.generate` and each drafter, interleaved, and compare."""
+    """Generate every prompt with `model.generate` and each drafter, interleaved, and compare.
+
+    `records`, a text stream, receives one JSON line per prompt and drafter as soon as it is measured, so a long
+    run that is stopped early still leaves its figures.
+    """
     from crest.config import resolve_model_spec
     from crest.generation import open_drafter
     from crest.models import load_model
@@ -349,11 +354,23 @@ def bench_generate(
     totals: dict[str, dict[str, Any]] = {
         name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "draft": [], "exact": 0} for name in ["generate", *drafters]
     }
-    for text in prompts:
+
+    def record(
+        index: int, name: str, new_tokens: int, seconds: float, forwards: int, draft: float, exact: bool
+    ) -> None:
+        if records is not None:
+            line = {"prompt": index, "drafter": name, "new_tokens": new_tokens, "seconds": round(seconds, 4)}
+            line |= {"forward_passes": forwards, "draft_seconds": round(draft, 5), "identical": exact}
+            records.write(json.dumps(line) + "\n")
+            records.flush()
+
+    for index, text in enumerate(prompts):
         ids = loaded.encode_prompt(text, chat=chat)
         base = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=max_new_tokens)
+        base_seconds = base.new_tokens / max(base.tokens_per_second, 1e-9)
         totals["generate"]["tokens"] += base.new_tokens
-        totals["generate"]["seconds"] += base.new_tokens / max(base.tokens_per_second, 1e-9)
+        totals["generate"]["seconds"] += base_seconds
+        record(index, "generate", base.new_tokens, base_seconds, base.new_tokens, 0.0, True)
         for name, source in sources.items():
             result = gens[name].generate(ids, drafter=source, max_new_tokens=max_new_tokens)
             row = totals[name]
@@ -361,7 +378,10 @@ def bench_generate(
             row["seconds"] += result.new_tokens / max(result.tokens_per_second, 1e-9)
             row["forwards"] += result.forward_passes
             row["draft"].append(result.draft_seconds / max(1, result.forward_passes))
-            row["exact"] += int(result.output_token_ids == base.output_token_ids)
+            exact = result.output_token_ids == base.output_token_ids
+            row["exact"] += int(exact)
+            seconds = result.new_tokens / max(result.tokens_per_second, 1e-9)
+            record(index, name, result.new_tokens, seconds, result.forward_passes, result.draft_seconds, exact)
     base_rate = totals["generate"]["tokens"] / max(totals["generate"]["seconds"], 1e-9)
     out = [
         DrafterFigures(

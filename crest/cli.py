@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -361,27 +362,34 @@ def bench_generate_cmd(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16.")] = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    records: Annotated[
+        Path | None, typer.Option(help="Append one JSON line per prompt and drafter to this file as it goes.")
+    ] = None,
     dsn: Dsn = None,
 ) -> None:
     """Compare drafters with model.generate side by side: M, tokens/s, speedup, draft latency, exactness."""
+    import contextlib
     import json as _json
 
     from crest.bench import bench_generate, load_prompts
     from crest.display import print_rows
 
-    rows = bench_generate(
-        model=model,
-        prompts=load_prompts(prompts, limit=limit),
-        drafters=[d for d in drafters.split(",") if d],
-        store=store,
-        rest_index=rest_index,
-        dsn=dsn,
-        chat=chat,
-        max_new_tokens=max_new_tokens,
-        device=device,
-        dtype=dtype,
-        max_draft_tokens=max_draft_tokens,
-    )
+    with contextlib.ExitStack() as stack:
+        stream = stack.enter_context(records.open("a", encoding="utf-8")) if records else None
+        rows = bench_generate(
+            model=model,
+            prompts=load_prompts(prompts, limit=limit),
+            drafters=[d for d in drafters.split(",") if d],
+            store=store,
+            rest_index=rest_index,
+            dsn=dsn,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
+            device=device,
+            dtype=dtype,
+            max_draft_tokens=max_draft_tokens,
+            records=stream,
+        )
     if as_json:
         typer.echo(_json.dumps([r.__dict__ for r in rows]))
     else:
@@ -425,7 +433,6 @@ def bench_accept_cmd(
     dsn: Dsn = None,
 ) -> None:
     """Mean accepted length against datastore bytes, crest vs REST, with tokens/s and the paper's ablations."""
-    from pathlib import Path
 
     from crest.accept import AcceptOptions, run_accept
     from crest.accept_report import main_table
