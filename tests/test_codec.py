@@ -56,6 +56,19 @@ def test_round_trip_v2(tree: tuple[np.ndarray, np.ndarray, np.ndarray, int], ran
     assert draft.n == 2
 
 
+@pytest.mark.parametrize("ranked", [False, True], ids=["ids", "ranks"])
+@pytest.mark.parametrize("size", range(1, 41), ids=lambda size: f"{size}-nodes")
+def test_v2_unit_weight_steps_take_no_bits(size: int, ranked: bool) -> None:
+    # every node drops the weight by exactly 1: steps are 0-bit fields, the last one at the stream's very end
+    tokens = (np.arange(size) * 7919) % 49152
+    parents = np.array([-1] + [(i * 5) // 7 - 1 for i in range(1, size)])
+    weights = np.arange(size, 0, -1, dtype=np.int64) + 3
+    table = TokenTable(np.unique(tokens)) if ranked else None
+    blob = encode_tree(tokens, parents, weights, vocab_size=49152, table=table)
+    assert (blob[1] >> 1) & 0x3F == 0  # step width
+    _assert_same(decode_tree(blob, table=table), tokens, parents, weights)
+
+
 def test_v2_chain_of_common_tokens_takes_under_9_bits_a_node() -> None:
     size = 64
     tokens = np.arange(size) % 16  # ranks 0-15: 2 class bits + 4 token bits

@@ -36,8 +36,11 @@ _RANKED = 0x01
 _CLASS_BITS = (4, 8, 12)  # token classes 0-2; class 3 takes the blob's widest width
 _CLASS_BASE = np.array([0, 16, 16 + 256, 16 + 256 + 4096], dtype=np.int64)
 _PARENT_BITS = np.array([i.bit_length() for i in range(MAX_NODES + 1)], dtype=np.int64)  # parent + 1 <= i
-_LANES = np.arange(64, dtype=np.int64)
-_MASKS = ((np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)).astype(np.uint64)  # [w] low w bits
+_MASKS = (np.int64(1) << np.arange(58, dtype=np.int64)) - 1  # [w] the low w bits, w <= 57
+_PAD = bytes(8)  # after the stream, so a 64-bit window can start at its last byte
+_CLASS_LUT = (np.arange(256)[:, None] >> np.array([0, 2, 4, 6])) & 3  # [256, 4] the 2-bit classes in a byte
+_CLASS_LUTS: dict[int, np.ndarray] = {}  # widest -> [256, 4, 2] token width and offset of each class in a byte
+_PARENTS = np.arange(-1, MAX_NODES, dtype=np.int32)  # every node a child of the previous one
 _MAX_STEP_BITS = 57  # a value and its bit offset fit one 64-bit window
 
 
@@ -178,39 +181,19 @@ def _pack(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     return bits[shifts < widths[:, None]].astype(np.uint8)
 
 
-def _unpack(padded: np.ndarray, pos: int, widths: np.ndarray) -> tuple[np.ndarray, int]:
-    """Read values of the given bit widths (<= 57) from the bit stream at bit `pos`; return them and the end.
-
-    `padded` is the stream's bytes plus 8 zero bytes: each value is cut from the 64-bit little-endian word that
-    starts at its first byte, so one gather reads them all.
-    """
-    if widths.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64), pos
-    ends = np.cumsum(widths) + pos  # [K]
-    starts = ends - widths
-    end = int(ends[-1])
-    if end > 8 * (padded.shape[0] - 8):
-        raise CodecError("tree blob is too short for its fields")
-    words = np.take(padded, (starts >> 3)[:, None] + _LANES[:8]).view("<u8")[:, 0]  # [K] 64-bit windows
-    return ((words >> (starts & 7).astype(np.uint64)) & _MASKS[widths]).astype(np.int64), end
-
-
-_CLASS_WIDTHS = [np.array([*_CLASS_BITS, widest], dtype=np.int64) for widest in range(32)]
-
-
-def _class_widths(widest: int) -> np.ndarray:
-    return _CLASS_WIDTHS[widest]
-
-
-def _table_width(table: TokenTable) -> int:
-    """Return the widest token class's width for ranks of `table`."""
-    return table.widest
+def _class_lut(widest: int) -> np.ndarray:
+    """Return the token width and offset of each of the four 2-bit classes of every byte: [256, 4, 2]."""
+    lut = _CLASS_LUTS.get(widest)
+    if lut is None:
+        widths = np.array([*_CLASS_BITS, widest], dtype=np.int64)
+        lut = _CLASS_LUTS[widest] = np.stack((widths[_CLASS_LUT], _CLASS_BASE[_CLASS_LUT]), axis=-1)
+    return lut
 
 
 def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, table: TokenTable | None) -> bytes:
     count = int(tokens.shape[0])
     if table is not None:
-        ranks, widest = table.ranks_of(tokens), _table_width(table)
+        ranks, widest = table.ranks_of(tokens), table.widest
     else:
         ranks = tokens
         widest = max(0, int(ranks.max()) - int(_CLASS_BASE[3])).bit_length() if count else 0
@@ -233,7 +216,7 @@ def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, tab
             chain.astype(np.uint8),
             (drops > 0).astype(np.uint8),
             _pack(parents[heads] + 1, _PARENT_BITS[heads]),
-            _pack(ranks - _CLASS_BASE[cls], _class_widths(widest)[cls]),
+            _pack(ranks - _CLASS_BASE[cls], np.array([*_CLASS_BITS, widest], dtype=np.int64)[cls]),
             _pack(steps, np.full(steps.shape[0], step_bits, dtype=np.int64)),
         )
     )
@@ -243,15 +226,16 @@ def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, tab
 
 
 def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
+    """Decode with a fixed, small number of numpy calls: their count, not the node count, sets the cost."""
     flags = data[1]
     if flags & 0x80:
         raise CodecError("tree blob has unknown flags set")
     step_bits = (flags >> 1) & 0x3F
-    count, pos = _read_varint(data, 2)
+    count, pos = (data[2], 3) if len(data) > 2 and data[2] < 0x80 else _read_varint(data, 2)
     if flags & _RANKED:
         if table is None:
             raise CodecError("tree blob stores token ranks; decoding it needs the store's token table")
-        widest = _table_width(table)
+        widest = table.widest
     else:
         if pos >= len(data):
             raise CodecError("tree blob header is cut short")
@@ -262,36 +246,56 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
         return Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), n)
     if count > MAX_NODES or 7 * count > 8 * (len(data) - pos) + 2:  # >= 2 class, 4 token, 1 chain bits a node
         raise CodecError(f"tree blob claims {count} nodes, more than its {len(data)} bytes can hold")
-    first, pos = _read_varint(data, pos)
+    first, pos = (data[pos], pos + 1) if data[pos] < 0x80 else _read_varint(data, pos)
     if step_bits > _MAX_STEP_BITS or widest > 0x1F or first >= 1 << 62:
         raise CodecError("tree blob has a field out of range")
-    padded = np.frombuffer(data + bytes(8), dtype=np.uint8, offset=pos)  # [B + 8]
-    fixed = 3 * count - 1  # class bits, then chain bits
-    bits = np.unpackbits(padded[: (fixed + count + 6) // 8], count=fixed + count - 1, bitorder="little")
-    classes = bits[0 : 2 * count : 2] | (bits[1 : 2 * count : 2] << 1)  # [C]
-    heads = np.flatnonzero(bits[2 * count : fixed] == 0) + 1  # [H]
-    dropped = bits[fixed : fixed + heads.shape[0]].astype(bool)  # [H]
-    drops = int(np.count_nonzero(dropped))
-    widths = np.concatenate(
-        (_PARENT_BITS[heads], _class_widths(widest)[classes], np.full(drops, step_bits, dtype=np.int64))
-    )
-    values, end = _unpack(padded, fixed + heads.shape[0], widths)
-    tail = len(data) - pos
-    if tail != (end + 7) // 8 or (end & 7 and data[-1] >> (end & 7)):
+    size = len(data) - pos  # stream bytes
+    buf = data + _PAD
+    stream = np.frombuffer(buf, np.uint8, size + 8, pos)  # [B + 8]
+    quads = stream[: (count + 3) >> 2]  # the bytes of the 2-bit classes, four a byte
+    chain_at = 2 * count  # chain bits, then drop bits: at most 2C - 2 bits
+    bits = np.unpackbits(stream[chain_at >> 3 : (3 * count + 6) >> 3], bitorder="little")[chain_at & 7 :]
+    heads = (bits[: count - 1] == 0).nonzero()[0] + 1  # [H] nodes whose parent is not the previous node
+    h = heads.shape[0]
+    whole = int.from_bytes(data[pos:], "little")  # the stream as one integer, for the few per-drop fields
+    dropped = (whole >> (3 * count - 1)) & ((1 << h) - 1)  # bit j: the weight drops at heads[j]
+    drops = dropped.bit_count()
+    lut = _CLASS_LUTS.get(widest)
+    lut = _class_lut(widest) if lut is None else lut
+    classes = lut.take(quads, axis=0).reshape(-1, 2)[:count]  # [C, 2] token width, token offset
+    widths = np.concatenate(((3 * count - 1 + h,), _PARENT_BITS[heads], classes[:, 0]))
+    ends = widths.cumsum()  # [1 + H + C]: where the parents, then the tokens start, then the steps' offset
+    steps_at = int(ends[-1])
+    end = steps_at + drops * step_bits
+    if end > 8 * size:
+        raise CodecError("tree blob is too short for its fields")
+    if size != (end + 7) >> 3 or (end & 7 and data[-1] >> (end & 7)):
         raise CodecError("tree blob has trailing data")
-    head_parents = values[: heads.shape[0]] - 1
-    if (head_parents >= heads).any():
+    starts = ends[:-1]  # [H + C]
+    # [B + 1] the 64-bit word at each byte of the stream (a 0-bit last field starts at byte B)
+    windows = np.ndarray((size + 1,), "<i8", buf, pos, (1,))
+    values = (windows[starts >> 3] >> (starts & 7)) & _MASKS[widths[1:]]  # width + shift <= 64, so sign bits drop out
+    head_parents = values[:h]  # parent + 1
+    if np.count_nonzero(head_parents > heads):
         raise CodecError("tree blob has a node before its parent")
-    ranks = values[heads.shape[0] : heads.shape[0] + count] + _CLASS_BASE[classes]
-    parents = np.arange(-1, count - 1, dtype=np.int32)
-    parents[heads] = head_parents
+    parents = _PARENTS[:count].copy()
+    parents.put(heads, head_parents - 1)
+    ranks = values[h:] + classes[:, 1]
     if drops:
-        steps = values[heads.shape[0] + count :]
-        if drops + sum(steps.tolist()) > first:
+        mask, level, last, levels, runs = (1 << step_bits) - 1, first, 0, [first], []
+        listed = heads.tolist()
+        for k in range(drops):  # D is small: a few drops a tree
+            low = dropped & -dropped
+            dropped ^= low
+            at = listed[low.bit_length() - 1]
+            runs.append(at - last)
+            last = at
+            level -= ((whole >> (steps_at + k * step_bits)) & mask) + 1
+            levels.append(level)
+        if level < 0:
             raise CodecError("tree blob has a weight out of range")
-        falls = np.zeros(count, dtype=np.int64)
-        falls[heads[dropped]] = steps + 1
-        weights = first - np.cumsum(falls)
+        runs.append(count - last)
+        weights = np.array(levels, dtype=np.int64).repeat(runs)
     else:
         weights = np.full(count, first, dtype=np.int64)
     if flags & _RANKED:
