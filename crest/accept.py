@@ -414,8 +414,9 @@ def run_accept(
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Build the datastores, measure every drafter and size, write accept.json, accept.md and the plots."""
-    from crest.accept_report import compare, versions, write_markdown, write_plots
+    from crest.accept_report import compare, write_markdown, write_plots
     from crest.models import load_model
+    from crest.results import started_at, versions
     from crest.tokenize import load_tokenizer
 
     opts.validate()
@@ -489,8 +490,10 @@ def run_accept(
             note=note,
         )
     results = {
+        "benchmark": "accept",
         "command": shlex.join(argv) if argv else None,
         "versions": versions(),
+        "started_at": started_at(started),
         "setting": setting,
         "model": model,
         "options": {**asdict(opts), "chat": chat},

@@ -6,8 +6,6 @@ when matplotlib is missing (`pip install 'crest[bench]'`), so a run never fails 
 
 from __future__ import annotations
 
-import platform
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -187,16 +185,3 @@ def compare(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "min_gain_at_equal_storage": min((g["gain"] for g in gains), default=None),
         "gain_target_met": bool(gains) and min(g["gain"] for g in gains) >= 0.15,
     }
-
-
-def versions() -> dict[str, str]:
-    """Return the versions of crest, Python and the libraries the figures depend on."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for dist in ("crest", "crest-client", "torch", "transformers", "numpy", "psycopg", "tokenizers"):
-        try:
-            found[dist] = version(dist)
-        except PackageNotFoundError:
-            found[dist] = "-"
-    return found

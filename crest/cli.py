@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -28,6 +28,9 @@ Dsn = Annotated[
     typer.Option("--dsn", envvar="CREST_DATABASE_URL", help="PostgreSQL DSN; default: the embedded server."),
 ]
 StoreName = Annotated[str, typer.Option("--store", "-s", envvar="CREST_STORE", help="Store name.")]
+Out = Annotated[
+    Path | None, typer.Option("--out", "-o", help="Also write <benchmark>.json and <benchmark>.md into this folder.")
+]
 
 
 @app.command()
@@ -289,23 +292,27 @@ def bench_ingest(
     tree_size: Annotated[int, typer.Option(help="Nodes kept per tree.")] = 64,
     blob_format: Annotated[int, typer.Option(help="Tree blobs: 2 compact, 1 faster to decode.")] = 2,
     keep: Annotated[bool, typer.Option("--keep/--drop", help="Keep the store afterwards.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    out: Out = None,
     dsn: Dsn = None,
 ) -> None:
     """Run a full ingest and print tokens/s per stage, peak memory and bytes per n-gram against the targets."""
+    import time
+
     from crest import db
     from crest.bench import ingest_figures
     from crest.config import IngestOptions, resolve_dsn
-    from crest.display import print_figures
     from crest.ingest import ingest as run_ingest
 
+    started = time.time()
     url = resolve_dsn(dsn)
     options = IngestOptions(max_n=max_n, top_t=top_t, tree_size=tree_size, blob_format=blob_format).validate()
     summary = run_ingest(inputs, store=store, tokenizer=tokenizer, dsn=url, options=options, fmt=fmt)
     if not keep:
         with db.session(url) as conn:
             db.drop_store(conn, store)
-    print_figures(f"ingest of {len(inputs)} input(s) into {store!r}", ingest_figures(summary), as_json=as_json)
+    title = f"ingest of {len(inputs)} input(s) into {store!r}"
+    _report("ingest", [ingest_figures(summary)], started=started, title=title, as_json=as_json, out=out)
 
 
 @bench_app.command("lookup")
@@ -320,15 +327,18 @@ def bench_lookup(
     processes: Annotated[int, typer.Option(help="Load mode: processes.")] = 1,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Load mode: the SDK's LRU cache.")] = False,
     timeout: Annotated[float, typer.Option(help="Load mode: the SDK's per-lookup timeout in seconds.")] = 1.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    out: Out = None,
     dsn: Dsn = None,
 ) -> None:
     """Time draft() cache misses side by side with a bare prepared lookup, and cache hits; or, with --seconds, load."""
+    import time
+
     from crest.bench import bench_load
     from crest.bench import bench_lookup as run
     from crest.config import check_store_name, resolve_dsn
-    from crest.display import print_figures
 
+    started = time.time()
     check_store_name(store)
     if seconds is not None:
         load = bench_load(
@@ -342,10 +352,12 @@ def bench_lookup(
             cache=cache,
             timeout=timeout,
         )
-        print_figures(f"lookup load on {store!r} (latency in microseconds)", load.__dict__, as_json=as_json)
+        title = f"lookup load on {store!r} (latency in microseconds)"
+        _report("lookup-load", [load.__dict__], started=started, title=title, as_json=as_json, out=out, store=store)
         return
     figures = run(resolve_dsn(dsn), store, samples=samples, max_nodes=max_nodes)
-    print_figures("lookup latency (microseconds)", figures.__dict__, as_json=as_json)
+    title = f"lookup latency on {store!r} (microseconds)"
+    _report("lookup", [figures.__dict__], started=started, title=title, as_json=as_json, out=out, store=store)
 
 
 @bench_app.command("generate")
@@ -361,7 +373,8 @@ def bench_generate_cmd(
     max_draft_tokens: Annotated[int | None, typer.Option(help="Fixed draft size.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16.")] = "float32",
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    out: Out = None,
     records: Annotated[
         Path | None, typer.Option(help="Append one JSON line per prompt and drafter to this file as it goes.")
     ] = None,
@@ -369,11 +382,11 @@ def bench_generate_cmd(
 ) -> None:
     """Compare drafters with model.generate side by side: M, tokens/s, speedup, draft latency, exactness."""
     import contextlib
-    import json as _json
+    import time
 
     from crest.bench import bench_generate, load_prompts
-    from crest.display import print_rows
 
+    started = time.time()
     with contextlib.ExitStack() as stack:
         stream = stack.enter_context(records.open("a", encoding="utf-8")) if records else None
         rows = bench_generate(
@@ -390,10 +403,36 @@ def bench_generate_cmd(
             max_draft_tokens=max_draft_tokens,
             records=stream,
         )
+    title = f"generation on {prompts} ({model}, {max_new_tokens} new tokens)"
+    extra = {"prompts": prompts, "model": model, "store": store, "max_new_tokens": max_new_tokens, "chat": chat}
+    _report("generate", [r.__dict__ for r in rows], started=started, title=title, as_json=as_json, out=out, **extra)
+
+
+def _report(
+    benchmark: str,
+    rows: list[dict[str, Any]],
+    *,
+    started: float,
+    title: str,
+    as_json: bool,
+    out: Path | None,
+    **extra: Any,
+) -> None:
+    """Print a benchmark's results (a table, or JSON) and write them into `out`, in the one results format."""
+    import json
+
+    from crest.display import print_figures, print_rows
+    from crest.results import envelope, write_results
+
+    results = envelope(benchmark, rows, started=started, **extra)
     if as_json:
-        typer.echo(_json.dumps([r.__dict__ for r in rows]))
+        typer.echo(json.dumps(results, default=str))
+    elif len(rows) == 1:
+        print_figures(title, rows[0])
     else:
-        print_rows(f"generation on {prompts} ({model}, {max_new_tokens} new tokens)", [r.__dict__ for r in rows])
+        print_rows(title, rows)
+    for path in write_results(results, out, title=title) if out else []:
+        typer.echo(f"wrote {path}", err=True)
 
 
 def _ints(text: str | None) -> tuple[int, ...]:

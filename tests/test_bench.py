@@ -21,7 +21,9 @@ def test_bench_ingest_prints_figures_and_drops_its_store(db_dsn: str, tmp_path: 
     args = ["bench", "ingest", str(corpus), "--tokenizer", str(word_tokenizer_dir), "--store", "b", "--top-t", "20"]
     done = CliRunner().invoke(app, [*args, "--json", "--dsn", db_dsn])
     assert done.exit_code == 0, done.output
-    figures = json.loads(done.output)
+    results = json.loads(done.output)
+    assert results["benchmark"] == "ingest" and results["command"].startswith("crest ")
+    (figures,) = results["rows"]
     assert figures["documents"] == 6 and figures["tokens"] == 240 and figures["ngrams_stored"] > 0
     assert figures["count_tokens_per_second"] > 0 and figures["peak_rss_bytes"] > 0
     assert figures["bytes_per_ngram"] == pytest.approx(figures["bytes_on_disk"] / figures["ngrams_stored"])

@@ -29,7 +29,9 @@ def test_load_cli_json(db_dsn: str) -> None:
     args = ["bench", "lookup", "--store", "demo", "--seconds", "0.5", "--concurrency", "2", "--json"]
     done = CliRunner().invoke(app, [*args, "--dsn", db_dsn])
     assert done.exit_code == 0, done.output
-    figures = json.loads(done.output)
+    results = json.loads(done.output)
+    assert results["benchmark"] == "lookup-load" and results["store"] == "demo"
+    (figures,) = results["rows"]
     assert figures["errors"] == 0 and figures["lookups"] > 0 and figures["processes"] == 1
 
 
