@@ -23,7 +23,7 @@ def _docker_answers() -> bool:
     try:
         import docker
 
-        docker.from_env(timeout=2).ping()
+        docker.from_env(timeout=2).ping()  # type: ignore[attr-defined]
         return True
     except Exception:
         return False

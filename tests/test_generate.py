@@ -3,6 +3,8 @@ and on a tiny model: sampled speculative output has the distribution of plain sa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
@@ -54,7 +56,7 @@ class _NoisyOracle:
     def __init__(self, reference: list[int], prompt_len: int) -> None:
         self.reference, self.prompt_len = reference, prompt_len
 
-    def draft(self, context: list[int], max_nodes: int) -> Draft | None:
+    def draft(self, context: Sequence[int], max_nodes: int) -> Draft | None:
         done = len(context) - self.prompt_len
         truth = self.reference[done : done + 4]
         if not truth:
@@ -84,7 +86,7 @@ def test_sampling_distribution_equals_plain_sampling() -> None:
     draft = Draft(np.array([0, 1, 2, 0]), np.array([-1, -1, 0, 1], dtype=np.int32), np.array([4, 3, 2, 1]), 1)
 
     class Fixed:
-        def draft(self, context: list[int], max_nodes: int) -> Draft:
+        def draft(self, context: Sequence[int], max_nodes: int) -> Draft:
             return draft
 
     gen = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=4)

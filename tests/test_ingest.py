@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +141,15 @@ def _write(path: Path, text: str) -> Path:
 
 
 @pytest.mark.parametrize(("case", "make", "extra", "message"), BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_a_clear_error(db_dsn: str, tmp_path: Path, gguf: str, case: str, make, extra, message) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_is_a_clear_error(
+    db_dsn: str,
+    tmp_path: Path,
+    gguf: str,
+    case: str,
+    make: Callable[[Path], Path],
+    extra: list[str],
+    message: str,
+) -> None:
     target = make(tmp_path)
     args = ["ingest", str(target), "--store", "s", "--tokenizer", gguf, "--quiet"]
     if "--top-t" not in extra and "--budget" not in extra:
@@ -165,7 +174,7 @@ def test_blob_formats_store_the_same_trees(db_dsn: str, corpus: Path, gguf: str)
             options=IngestOptions(top_t=300, blob_format=fmt),
         )
     with psycopg.connect(db_dsn) as conn:
-        versions = dict(
+        versions: dict[str, list[int]] = dict(
             conn.execute(
                 "SELECT s.name, array_agg(DISTINCT get_byte(g.tree, 0)) FROM crest_ngrams g"
                 " JOIN crest_stores s ON s.id = g.store_id GROUP BY s.name"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -12,7 +13,7 @@ from tests.test_store import ROWS, publish
 SQL = Path(__file__).resolve().parent.parent / "sql"
 
 
-def _run(dsn: str, name: str) -> list[dict[str, object]]:
+def _run(dsn: str, name: str) -> list[dict[str, Any]]:
     with psycopg.connect(dsn) as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute((SQL / name).read_text())
         return list(cur.fetchall())
