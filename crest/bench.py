@@ -360,16 +360,15 @@ def bench_generate(
     cost = next(iter(gens.values())).cost() if gens else None
     for gen in gens.values():
         gen._cost = cost
-    totals: dict[str, dict[str, Any]] = {
-        name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "draft": [], "exact": 0} for name in ["generate", *drafters]
-    }
+    done: list[dict[str, Any]] = []
 
     def record(
         index: int, name: str, new_tokens: int, seconds: float, forwards: int, draft: float, exact: bool
     ) -> None:
+        line = {"prompt": index, "drafter": name, "new_tokens": new_tokens, "seconds": round(seconds, 5)}
+        line |= {"forward_passes": forwards, "draft_seconds": round(draft, 6), "identical": exact}
+        done.append(line)
         if records is not None:
-            line = {"prompt": index, "drafter": name, "new_tokens": new_tokens, "seconds": round(seconds, 4)}
-            line |= {"forward_passes": forwards, "draft_seconds": round(draft, 5), "identical": exact}
             records.write(json.dumps(line) + "\n")
             records.flush()
 
@@ -377,41 +376,72 @@ def bench_generate(
         ids = loaded.encode_prompt(text, chat=chat)
         base = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=max_new_tokens)
         base_seconds = base.new_tokens / max(base.tokens_per_second, 1e-9)
-        totals["generate"]["tokens"] += base.new_tokens
-        totals["generate"]["seconds"] += base_seconds
         record(index, "generate", base.new_tokens, base_seconds, base.new_tokens, 0.0, True)
         for name, source in sources.items():
             result = gens[name].generate(ids, drafter=source, max_new_tokens=max_new_tokens)
-            row = totals[name]
-            row["tokens"] += result.new_tokens
-            row["seconds"] += result.new_tokens / max(result.tokens_per_second, 1e-9)
-            row["forwards"] += result.forward_passes
-            row["draft"].append(result.draft_seconds / max(1, result.forward_passes))
             exact = result.output_token_ids == base.output_token_ids
-            row["exact"] += int(exact)
             seconds = result.new_tokens / max(result.tokens_per_second, 1e-9)
             record(index, name, result.new_tokens, seconds, result.forward_passes, result.draft_seconds, exact)
-    base_rate = totals["generate"]["tokens"] / max(totals["generate"]["seconds"], 1e-9)
-    out = [
-        DrafterFigures(
-            "generate", len(prompts), totals["generate"]["tokens"], 1.0, base_rate, 1.0, 0.0, 0.0, len(prompts)
-        )
-    ]
-    for name in drafters:
-        row = totals[name]
-        rate = row["tokens"] / max(row["seconds"], 1e-9)
-        draft_ms = np.asarray(row["draft"] or [0.0]) * 1e3
+    return summarize_records(done)
+
+
+RECORD_KEYS = {"prompt", "drafter", "new_tokens", "seconds", "forward_passes", "draft_seconds", "identical"}
+
+
+def read_records(path: Any) -> list[dict[str, Any]]:
+    """Read a `bench generate --records` file; raise `CorpusError` on a line that is not a record."""
+    from crest.errors import CorpusError
+
+    out = []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise CorpusError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                if not isinstance(item, dict) or not RECORD_KEYS.issubset(item):
+                    raise CorpusError(f"{path}:{number}: not a bench generate record")
+                out.append(item)
+    except OSError as exc:
+        raise CorpusError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return out
+
+
+def summarize_records(records: list[dict[str, Any]]) -> list[DrafterFigures]:
+    """Return each drafter's figures over the prompts that every drafter in `records` finished.
+
+    A run stopped early leaves its last prompt done by some drafters only; it is left out, so every row covers
+    the same prompts. Speedups are over the `generate` rows (plain `model.generate`).
+    """
+    names = list(dict.fromkeys(r["drafter"] for r in records))
+    by_prompt: dict[Any, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        by_prompt.setdefault(r["prompt"], {})[r["drafter"]] = r
+    complete = [rows for rows in by_prompt.values() if len(rows) == len(names)]
+    rates = {}
+    for name in names:
+        tokens = sum(rows[name]["new_tokens"] for rows in complete)
+        rates[name] = tokens / max(sum(rows[name]["seconds"] for rows in complete), 1e-9)
+    base_rate = rates.get("generate")
+    out = []
+    for name in names:
+        chosen = [rows[name] for rows in complete]
+        tokens = sum(r["new_tokens"] for r in chosen)
+        draft_ms = np.asarray([r["draft_seconds"] / max(1, r["forward_passes"]) for r in chosen] or [0.0]) * 1e3
         out.append(
             DrafterFigures(
                 drafter=name,
-                prompts=len(prompts),
-                new_tokens=row["tokens"],
-                mean_accepted_length=row["tokens"] / max(1, row["forwards"]),
-                tokens_per_second=rate,
-                speedup_vs_generate=rate / base_rate,
+                prompts=len(chosen),
+                new_tokens=tokens,
+                mean_accepted_length=tokens / max(1, sum(r["forward_passes"] for r in chosen)),
+                tokens_per_second=rates[name],
+                speedup_vs_generate=rates[name] / base_rate if base_rate else float("nan"),
                 draft_ms_median=float(np.median(draft_ms)),
                 draft_ms_p99=float(np.percentile(draft_ms, 99)),
-                exact_matches=row["exact"],
+                exact_matches=sum(bool(r["identical"]) for r in chosen),
             )
         )
     return out

@@ -362,7 +362,9 @@ def bench_lookup(
 
 @bench_app.command("generate")
 def bench_generate_cmd(
-    prompts: Annotated[str, typer.Option(help="humaneval, or a JSONL file of prompts (prompt / turns[0] / text).")],
+    prompts: Annotated[
+        str | None, typer.Option(help="humaneval, or a JSONL file of prompts (prompt / turns[0] / text).")
+    ] = None,
     model: Annotated[str, typer.Option("--model", "-m", envvar="CREST_MODEL", help="Model.")] = "smollm2",
     store: Annotated[str | None, typer.Option("--store", "-s", help="Store for crest drafters.")] = None,
     drafters: Annotated[str, typer.Option(help="Comma-separated drafters.")] = "none,prompt,crest,crest+prompt",
@@ -378,15 +380,26 @@ def bench_generate_cmd(
     records: Annotated[
         Path | None, typer.Option(help="Append one JSON line per prompt and drafter to this file as it goes.")
     ] = None,
+    from_records: Annotated[
+        Path | None, typer.Option(help="Only summarize a --records file (prompts every drafter finished).")
+    ] = None,
     dsn: Dsn = None,
 ) -> None:
     """Compare drafters with model.generate side by side: M, tokens/s, speedup, draft latency, exactness."""
     import contextlib
     import time
 
-    from crest.bench import bench_generate, load_prompts
+    from crest.bench import bench_generate, load_prompts, read_records, summarize_records
+    from crest.errors import ConfigError
 
     started = time.time()
+    if from_records is not None:
+        rows = summarize_records(read_records(from_records))
+        title = f"generation figures from {from_records}"
+        _report("generate", [r.__dict__ for r in rows], started=started, title=title, as_json=as_json, out=out)
+        return
+    if prompts is None:
+        raise ConfigError("give --prompts (humaneval or a JSONL file), or --from-records FILE")
     with contextlib.ExitStack() as stack:
         stream = stack.enter_context(records.open("a", encoding="utf-8")) if records else None
         rows = bench_generate(

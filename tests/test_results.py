@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from crest.cli import app
+from crest.cli import app, main
 from crest.errors import CrestError
 from crest.results import envelope, markdown, write_results
 from tests.test_store import ROWS, publish
@@ -64,3 +64,42 @@ def test_bench_lookup_writes_json_and_markdown(db_dsn: str, tmp_path: Path) -> N
     assert figures["miss_ratio"] == pytest.approx(figures["miss_median_us"] / figures["bare_median_us"])
     assert figures["meets_miss_ratio_target"] == (figures["miss_ratio"] <= 1.3)
     assert "| miss_ratio |" in (out / "lookup.md").read_text()
+
+
+def _line(prompt: int, drafter: str, seconds: float, forwards: int, identical: bool = True) -> str:
+    row = {"prompt": prompt, "drafter": drafter, "new_tokens": 10, "seconds": seconds}
+    row |= {"forward_passes": forwards, "draft_seconds": 0.001 * forwards, "identical": identical}
+    return json.dumps(row)
+
+
+def test_generate_figures_from_records_leave_out_an_unfinished_prompt(tmp_path: Path) -> None:
+    records = tmp_path / "run.jsonl"
+    lines = [_line(0, "generate", 1.0, 10), _line(0, "prompt", 0.5, 4, identical=False)]
+    lines += [_line(1, "generate", 1.0, 10), _line(1, "prompt", 0.5, 6), _line(2, "generate", 9.0, 10)]
+    records.write_text("\n".join(lines) + "\n\n")  # prompt 2: the run stopped before `prompt` finished it
+    out = tmp_path / "out"
+    done = CliRunner().invoke(app, ["bench", "generate", "--from-records", str(records), "--json", "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    generate, prompt = json.loads(done.stdout)["rows"]
+    assert generate["prompts"] == prompt["prompts"] == 2 and generate["tokens_per_second"] == pytest.approx(10.0)
+    assert prompt["tokens_per_second"] == pytest.approx(20.0) and prompt["speedup_vs_generate"] == pytest.approx(2.0)
+    assert prompt["mean_accepted_length"] == pytest.approx(2.0) and prompt["exact_matches"] == 1
+    assert prompt["draft_ms_median"] == pytest.approx(1.0)
+    assert "| prompt | 2 | 20 |" in (out / "generate.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("{not json\n", "not JSON"), ('{"prompt": 0}\n', "not a bench generate record")],
+    ids=["not-json", "missing-keys"],
+)
+def test_bad_records_are_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    records = tmp_path / "run.jsonl"
+    records.write_text(text)
+    monkeypatch.setattr("sys.argv", ["crest", "bench", "generate", "--from-records", str(records)])
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"run.jsonl:1: {message}" in err and "Traceback" not in err
