@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import psycopg
 import pytest
@@ -54,7 +56,7 @@ ROWS = {(5,): _tree(100, 4), (4, 5): _tree(200, 6), (3, 4, 5): _tree(300, 8), (9
 
 
 @pytest.fixture()
-def store(db_dsn: str) -> Store:
+def store(db_dsn: str) -> Iterator[Store]:
     publish(db_dsn, "demo", ROWS)
     handle = Store.connect(db_dsn, "demo", timeout=2.0)
     yield handle

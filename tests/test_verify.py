@@ -130,7 +130,8 @@ def test_tree_logits_equal_path_logits(kind: str, window: int | None, attention:
         ids, pos, _, tokens, parent_slot = build_tree_inputs(prompt[-1], draft, len(prompt) - 1)
         logits = gen._forward(ids, pos, gen._masks(parent_slot, pos, len(prompt) - 1), cache)  # [T+1, V]
         order, _, _ = tree_layout(draft)
-        paths = [[]] + [draft.paths()[i] for i in order]
+        every = draft.paths()
+        paths: list[list[int]] = [[], *(every[i] for i in order)]
         for slot, path in enumerate(paths):
             want = model(torch.tensor([prompt + path])).logits[0, -1]
             torch.testing.assert_close(logits[slot], want, atol=2e-5, rtol=1e-5, msg=f"slot {slot} path {path}")
@@ -586,7 +587,9 @@ def test_smollm2_tree_logits_equal_path_logits(smollm2: Any, attention: str) -> 
             ids, pos, mask, _, _ = build_tree_inputs(prompt[-1], draft, len(prompt) - 1)
             logits = model(ids, past_key_values=cache, attention_mask=mask, position_ids=pos, use_cache=True).logits[0]
             order, _, _ = tree_layout(draft)
-            for slot, path in enumerate([[]] + [draft.paths()[i] for i in order]):
+            every = draft.paths()
+            paths: list[list[int]] = [[], *(every[i] for i in order)]
+            for slot, path in enumerate(paths):
                 want = model(torch.tensor([prompt + path])).logits[0, -1]
                 torch.testing.assert_close(logits[slot], want, atol=2e-4, rtol=1e-4)
     finally:
