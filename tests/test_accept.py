@@ -124,6 +124,51 @@ def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path) -> None
     assert [d["name"] for d in again["datastores"] if not d["reused"]] == []
 
 
+def test_bench_accept_chat_setting(
+    db_dsn: str, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chat preset end to end: ShareGPT minus held-out conversations, MT-Bench plus held-out first turns."""
+    import shutil
+
+    from tests.fix_corpus import write_sharegpt
+
+    chat_dir = tmp_path / "tiny-chat"
+    shutil.copytree(tiny_dir, chat_dir)
+    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}w0 {{ m['content'] }} w1 {% endfor %}w2"
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    corpus = _corpus(tmp_path, tiny_dir)
+    turns = [p.read_text() for p in sorted(corpus.iterdir())]
+    records = [
+        {"id": str(i), "conversations": [{"from": "human", "value": t[:12]}, {"from": "gpt", "value": t}]}
+        for i, t in enumerate(turns)
+    ]
+    monkeypatch.setattr("crest.accept.sharegpt_path", lambda: write_sharegpt(tmp_path / "sg.json", records))
+    mt_bench = write_jsonl(tmp_path / "mt.jsonl", [{"turns": [p, "again"]} for p in PROMPTS[:2]])
+    opts = AcceptOptions(
+        setting="chat",
+        mt_bench=str(mt_bench),
+        holdout=2,
+        drafters=("none", "rest", "crest"),
+        percents=(100.0,),
+        top_t=(40,),
+        max_n=2,
+        max_new_tokens=16,
+        timing="all",
+    )
+    out = tmp_path / "out"
+    results = run_accept(opts, model=str(chat_dir), dsn=db_dsn, out=out, argv=["crest", "bench", "accept"])
+    assert results["benchmark"] == "accept" and results["setting"] == "chat" and results["options"]["chat"]
+    assert results["corpus"]["heldout_conversations"] == 2
+    assert results["prompts"] == 2 + 2  # the MT-Bench first turns, then the held-out conversations' first turns
+    held = json.loads(next(out.glob("chat_heldout_*.json")).read_text())
+    kept = next(out.glob("chat_corpus_*.jsonl")).read_text()
+    assert len(held) == 2 and len(kept.splitlines()) == len(records) - 2  # one line per kept conversation
+    rows = {r["drafter"]: r for r in results["rows"]}
+    assert set(rows) == {"none", "rest", "crest"} and all(r["real"]["exact"] == 4 for r in rows.values())
+    assert (out / "accept_chat.png").stat().st_size > 1000
+
+
 def test_hold_out_removes_whole_conversations(tmp_path: Path) -> None:
     from crest.corpus import iter_documents
     from crest.datastores import hold_out
