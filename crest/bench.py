@@ -421,27 +421,27 @@ def summarize_records(records: list[dict[str, Any]]) -> list[DrafterFigures]:
     for r in records:
         by_prompt.setdefault(r["prompt"], {})[r["drafter"]] = r
     complete = [rows for rows in by_prompt.values() if len(rows) == len(names)]
-    rates = {}
-    for name in names:
-        tokens = sum(rows[name]["new_tokens"] for rows in complete)
-        rates[name] = tokens / max(sum(rows[name]["seconds"] for rows in complete), 1e-9)
+    chosen = {name: [rows[name] for rows in complete] for name in names}
+    rates = {
+        name: sum(r["new_tokens"] for r in mine) / max(sum(r["seconds"] for r in mine), 1e-9)
+        for name, mine in chosen.items()
+    }
     base_rate = rates.get("generate")
     out = []
-    for name in names:
-        chosen = [rows[name] for rows in complete]
-        tokens = sum(r["new_tokens"] for r in chosen)
-        draft_ms = np.asarray([r["draft_seconds"] / max(1, r["forward_passes"]) for r in chosen] or [0.0]) * 1e3
+    for name, mine in chosen.items():
+        tokens = sum(r["new_tokens"] for r in mine)
+        draft_ms = np.asarray([r["draft_seconds"] / max(1, r["forward_passes"]) for r in mine] or [0.0]) * 1e3
         out.append(
             DrafterFigures(
                 drafter=name,
-                prompts=len(chosen),
+                prompts=len(mine),
                 new_tokens=tokens,
-                mean_accepted_length=tokens / max(1, sum(r["forward_passes"] for r in chosen)),
+                mean_accepted_length=tokens / max(1, sum(r["forward_passes"] for r in mine)),
                 tokens_per_second=rates[name],
                 speedup_vs_generate=rates[name] / base_rate if base_rate else float("nan"),
                 draft_ms_median=float(np.median(draft_ms)),
                 draft_ms_p99=float(np.percentile(draft_ms, 99)),
-                exact_matches=sum(bool(r["identical"]) for r in chosen),
+                exact_matches=sum(bool(r["identical"]) for r in mine),
             )
         )
     return out

@@ -378,7 +378,7 @@ def bench_generate_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     out: Out = None,
     records: Annotated[
-        Path | None, typer.Option(help="Append one JSON line per prompt and drafter to this file as it goes.")
+        Path | None, typer.Option(help="Write one JSON line per prompt and drafter to this file as it goes.")
     ] = None,
     from_records: Annotated[
         Path | None, typer.Option(help="Only summarize a --records file (prompts every drafter finished).")
@@ -401,7 +401,7 @@ def bench_generate_cmd(
     if prompts is None:
         raise ConfigError("give --prompts (humaneval or a JSONL file), or --from-records FILE")
     with contextlib.ExitStack() as stack:
-        stream = stack.enter_context(records.open("a", encoding="utf-8")) if records else None
+        stream = stack.enter_context(_open_output(records)) if records else None
         rows = bench_generate(
             model=model,
             prompts=load_prompts(prompts, limit=limit),
@@ -419,6 +419,16 @@ def bench_generate_cmd(
     title = f"generation on {prompts} ({model}, {max_new_tokens} new tokens)"
     extra = {"prompts": prompts, "model": model, "store": store, "max_new_tokens": max_new_tokens, "chat": chat}
     _report("generate", [r.__dict__ for r in rows], started=started, title=title, as_json=as_json, out=out, **extra)
+
+
+def _open_output(path: Path) -> Any:
+    """Open a file to write, or raise a clear error."""
+    from crest.errors import CrestError
+
+    try:
+        return path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise CrestError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _report(
