@@ -11,7 +11,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,10 +37,6 @@ class LookupFigures:
     hit_rate_of_contexts: float
     meets_miss_ratio_target: bool = False  # median miss <= 1.3x the bare lookup
     meets_hit_median_us_target: bool = False  # median cache hit < 10 us
-
-    def to_json(self) -> str:
-        """Return the figures as JSON."""
-        return json.dumps(asdict(self))
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -153,11 +153,8 @@ def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False) -> None:
     out.print(table)
 
 
-def print_figures(title: str, figures: dict[str, Any], *, as_json: bool = False) -> None:
-    """Print a flat dict of benchmark figures as a table or JSON."""
-    if as_json:
-        out.print_json(json.dumps(figures, default=str))
-        return
+def print_figures(title: str, figures: dict[str, Any]) -> None:
+    """Print a flat dict of benchmark figures as a two-column table."""
     table = Table(title=title, show_header=False)
     for key, value in figures.items():
         table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else str(value))
