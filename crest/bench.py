@@ -386,23 +386,14 @@ RECORD_KEYS = {"prompt", "drafter", "new_tokens", "seconds", "forward_passes", "
 
 def read_records(path: Any) -> list[dict[str, Any]]:
     """Read a `bench generate --records` file; raise `CorpusError` on a line that is not a record."""
+    from crest.corpus import read_jsonl
     from crest.errors import CorpusError
 
     out = []
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise CorpusError(f"{path}:{number}: not JSON ({exc.msg})") from None
-                if not isinstance(item, dict) or not RECORD_KEYS.issubset(item):
-                    raise CorpusError(f"{path}:{number}: not a bench generate record")
-                out.append(item)
-    except OSError as exc:
-        raise CorpusError(f"cannot read {path}: {exc.strerror or exc}") from None
+    for number, item in read_jsonl(path):
+        if not isinstance(item, dict) or not RECORD_KEYS.issubset(item):
+            raise CorpusError(f"{path}:{number}: not a bench generate record")
+        out.append(item)
     return out
 
 

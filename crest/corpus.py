@@ -112,6 +112,23 @@ def iter_documents(
     return _generate(resolved, rep, sizes, limit=max_documents)
 
 
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, value) for each non-blank line of a small JSONL file such as a prompts file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CorpusError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CorpusError(f"{str(path)!r} is not valid UTF-8 (byte {exc.start})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{str(path)!r} line {number} is not valid JSON: {exc.msg}") from None
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Return the format `auto` picks for one input: files, jsonl or sharegpt."""
     spec = os.fspath(path)

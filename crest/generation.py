@@ -14,23 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from crest.config import check_store_name, resolve_dsn, resolve_model_spec
+from crest.corpus import read_jsonl
 from crest.errors import ConfigError, CorpusError
 
 
 def read_prompts(path: str) -> Iterator[str]:
     """Yield the `prompt` of each JSONL line (also accepts `turns[0]` and `text`)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CorpusError(f"cannot read prompts file {path!r}: {exc}") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{path!r} line {number} is not valid JSON: {exc.msg}") from None
-        text = record.get("prompt") or (record.get("turns") or [None])[0] or record.get("text")
+    for number, record in read_jsonl(path):
+        text = None
+        if isinstance(record, dict):
+            text = record.get("prompt") or (record.get("turns") or [None])[0] or record.get("text")
         if not isinstance(text, str):
             raise CorpusError(f'{path!r} line {number} has no "prompt" string')
         yield text
