@@ -90,10 +90,13 @@ def _synchronize(device: torch.device) -> None:
 
 
 def path_probabilities(draft: Draft) -> np.ndarray:
-    """Return each node's estimated probability of being accepted: weight / parent-weight products, at most 1."""
+    """Return each node's estimated probability of being accepted: weight / parent-weight products, at most 1.
+
+    A root child's share is its weight over `draft.total` when that is set and larger than the root children's sum.
+    """
     weights = np.maximum(draft.weights.astype(np.float64), 0.0)  # [T]
     roots = draft.parents < 0
-    total = float(weights[roots].sum()) or 1.0
+    total = max(float(weights[roots].sum()), float(draft.total)) or 1.0
     prob = np.zeros(len(draft), dtype=np.float64)  # [T]
     parents = draft.parents.tolist()
     for i, p in enumerate(parents):

@@ -200,7 +200,7 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
         return draft
     index = np.cumsum(keep) - 1  # new index of each kept node
     parents = np.where(draft.parents >= 0, index[np.maximum(draft.parents, 0)], -1)[keep]
-    return Draft(draft.tokens[keep], parents.astype(np.int32), draft.weights[keep], draft.n)
+    return Draft(draft.tokens[keep], parents.astype(np.int32), draft.weights[keep], draft.n, draft.total)
 
 
 def compact_cache(cache: Any, past_len: int, slots: Sequence[int]) -> None:

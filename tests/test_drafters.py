@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from crest.drafters import (
     build_draft,
     make_drafter,
     merge_drafts,
+    score_draft,
 )
 from crest.errors import ConfigError
 from crest.rest import RestDrafter, RestIndex
@@ -245,6 +247,16 @@ def test_merge_drafts_repairs_weights_that_grow_downwards() -> None:
     assert merged.paths() == [[1], [1, 2], [1, 2, 3]]
 
 
+def test_merged_estimates_keep_their_shares() -> None:
+    from crest.sizing import path_probabilities
+
+    tree = build_draft([[1, 2], [1, 3], [4]], tree_size=8, n=1)
+    half = merge_drafts([tree], shares=[0.5], tree_size=8)  # a part trusted half as much predicts half
+    np.testing.assert_allclose(path_probabilities(half), 0.5 * path_probabilities(tree), rtol=1e-5)
+    double = merge_drafts([tree, tree], tree_size=8)  # estimates above 1 are normalised as before
+    np.testing.assert_allclose(path_probabilities(double), path_probabilities(tree), rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -310,3 +322,38 @@ def test_make_drafter_builds_each_name(tmp_path: Path) -> None:
 def test_make_drafter_refuses_missing_parts(name: str, parts: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         make_drafter(name, **parts)
+
+
+def test_score_draft_counts_the_path_the_target_took() -> None:
+    tree = build_draft([[1, 2, 3], [1, 2, 4], [5, 6]], tree_size=10, n=1)
+    assert score_draft(tree, [1, 2, 4, 9])[0] == 3
+    assert score_draft(tree, [1, 7])[0] == 1
+    assert score_draft(tree, [9])[0] == 0
+    right, predicted = score_draft(tree, [1])  # only depth 1 counts: 2/3 + 1/3
+    assert right == 1 and predicted == pytest.approx(1.0)
+
+
+def test_merged_drafter_learns_which_part_is_right() -> None:
+    target = list(range(100, 160))  # the tokens the target goes on to produce
+
+    class Oracle:
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+            at = target.index(context_ids[-1]) + 1
+            return build_draft([target[at : at + 4]], tree_size=max_nodes, n=1)
+
+    class Wrong:
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+            return build_draft([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6]], tree_size=max_nodes, n=2)
+
+    merged = MergedDrafter(Wrong(), Oracle(), secondary_share=0.5)
+    k = 1
+    first = merged.draft([7, *target[:k]], 64)
+    assert first is not None and first.paths()[0] == [1]  # no evidence yet: 2/3 beats 0.5 x 1
+    for _ in range(20):
+        k += 2  # the verifier appends two of the target's tokens per step
+        draft = merged.draft([7, *target[:k]], 64)
+    wrong, right = merged.scales()
+    assert wrong < 0.2 and right > 0.9
+    assert draft is not None and draft.paths()[0] == [target[k]]  # the oracle's path now leads
+    assert merged.draft([1, 2, 3], 64) is not None  # a new request: nothing scored
+    assert merged.scales() == (wrong, right)  # what was learned stays

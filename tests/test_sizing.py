@@ -4,6 +4,7 @@ expected tokens per second."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,6 +23,10 @@ def test_path_probabilities_are_weight_ratio_products() -> None:
     draft = Draft(np.array([1, 2, 3, 4, 5]), np.array([-1, -1, 0, 2, 1], dtype=np.int32), np.array([6, 2, 3, 3, 4]))
     # root children 6/8 and 2/8; 3 of 6 go on; all 3 of those go on; a child heavier than its parent is capped
     np.testing.assert_allclose(path_probabilities(draft), [0.75, 0.25, 0.375, 0.375, 0.25])
+    # a root weight larger than the children's sum makes them fractions of it; a smaller one is ignored
+    np.testing.assert_allclose(path_probabilities(replace(draft, total=16)), [0.375, 0.125, 0.1875, 0.1875, 0.125])
+    np.testing.assert_allclose(path_probabilities(replace(draft, total=4)), [0.75, 0.25, 0.375, 0.375, 0.25])
+    np.testing.assert_allclose(path_probabilities(replace(draft, total=16).truncate(3)), [0.375, 0.125, 0.1875])
 
 
 @pytest.mark.parametrize(

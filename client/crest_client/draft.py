@@ -20,6 +20,7 @@ class Draft:
     parents: np.ndarray  # [T] int32, parents[i] < i, -1 = child of the root
     weights: np.ndarray  # [T] int64, continuations through the node, non-increasing
     n: int = 0  # length of the matched context suffix
+    total: int = 0  # the root's weight, of which root children's weights are fractions; 0 = their sum
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -29,7 +30,7 @@ class Draft:
         if max_nodes >= len(self):
             return self
         k = max(0, int(max_nodes))
-        return Draft(self.tokens[:k], self.parents[:k], self.weights[:k], self.n)
+        return Draft(self.tokens[:k], self.parents[:k], self.weights[:k], self.n, self.total)
 
     def depths(self) -> np.ndarray:
         """Return each node's depth: 1 for children of the root."""
