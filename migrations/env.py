@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from crest.schema import metadata
+from crest.db.schema import metadata
 
 connection = context.config.attributes.get("connection")
 if connection is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from crest.tokenize import Tokenizer, load_tokenizer
+from crest.ingest.tokenizer import Tokenizer, load_tokenizer
 
 CONVERSATIONS: list[dict[str, Any]] = [
     {

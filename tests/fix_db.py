@@ -76,7 +76,7 @@ def empty_db(pg_server: str) -> Iterator[str]:
 @pytest.fixture()
 def db_dsn(empty_db: str) -> str:
     """Return the DSN of a new database with crest's schema migrated to head."""
-    from crest.db import upgrade
+    from crest.db.versions import upgrade
 
     upgrade(empty_db)
     return empty_db

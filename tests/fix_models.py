@@ -31,7 +31,7 @@ def smollm2_model(smollm2_gguf: Path) -> Any:
     """The real SmolLM2-135M-Instruct loaded once per session (float32, CPU, sdpa) with its tokenizer."""
     import torch
 
-    from crest.models import load_model
+    from crest.decoding.models import load_model
 
     torch.set_num_threads(2)
     return load_model(str(smollm2_gguf))

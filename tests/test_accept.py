@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from crest_client.draft import Draft
 
-from crest.accept import AcceptOptions, matched_depth, replay, run_accept
-from crest.drafters import NAMES, PromptDrafter
+from crest.bench.accept import AcceptOptions, matched_depth, replay, run_accept
+from crest.drafters.prompt import PromptDrafter
+from crest.drafters.registry import NAMES
 from crest.errors import ConfigError
 from tests.fix_corpus import make_word_tokenizer, write_jsonl, write_tree
 from tests.fix_models import tiny_model
@@ -37,8 +38,8 @@ PROMPTS = ["w1 w2 w3 w4", "w5 w6 w7", "w0 w0 w8 w9 w10"]
 
 def _corpus(root: Path, model_dir: Path) -> Path:
     """Documents holding the tiny model's own greedy continuations (so datastores draft what it accepts)."""
-    from crest.models import load_model
-    from crest.verify import generate_plain
+    from crest.bench.generate import generate_plain
+    from crest.decoding.models import load_model
 
     loaded = load_model(str(model_dir))
     rng = random.Random(0)
@@ -143,7 +144,7 @@ def test_bench_accept_chat_setting(
         {"id": str(i), "conversations": [{"from": "human", "value": t[:12]}, {"from": "gpt", "value": t}]}
         for i, t in enumerate(turns)
     ]
-    monkeypatch.setattr("crest.accept.sharegpt_path", lambda: write_sharegpt(tmp_path / "sg.json", records))
+    monkeypatch.setattr("crest.bench.accept.sharegpt_path", lambda: write_sharegpt(tmp_path / "sg.json", records))
     mt_bench = write_jsonl(tmp_path / "mt.jsonl", [{"turns": [p, "again"]} for p in PROMPTS[:2]])
     opts = AcceptOptions(
         setting="chat",
@@ -170,8 +171,8 @@ def test_bench_accept_chat_setting(
 
 
 def test_hold_out_removes_whole_conversations(tmp_path: Path) -> None:
-    from crest.corpus import iter_documents
-    from crest.datastores import hold_out
+    from crest.bench.datastores import hold_out
+    from crest.ingest.corpus import iter_documents
     from tests.fix_corpus import write_sharegpt
 
     records = [
@@ -215,7 +216,7 @@ def test_cli_rejects_bad_options(
 ) -> None:
     import sys
 
-    from crest.cli import main
+    from crest.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["crest", "bench", "accept", "--out", str(tmp_path), *args])
     with pytest.raises(SystemExit) as done:

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-from crest.cli import app
+from crest.cli.app import app
 from tests.fix_corpus import WORDS, word_tokenizer_dir  # noqa: F401  (fixture)
 
 

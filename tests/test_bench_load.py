@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from crest.bench import bench_load
-from crest.cli import app
+from crest.bench.lookup import bench_load
+from crest.cli.app import app
 from crest.errors import ConfigError
 from tests.test_store import ROWS, publish
 

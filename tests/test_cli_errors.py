@@ -18,8 +18,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from crest.cli import main
-from crest.tokenize import load_tokenizer
+from crest.cli.app import main
+from crest.ingest.tokenizer import load_tokenizer
 from tests.fix_corpus import CONVERSATIONS, record_starts, write_sharegpt
 
 pytest_plugins = ["tests.fix_corpus"]

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crest.corpus import CorpusReport, StreamedDocument, detect_format, iter_documents
 from crest.errors import CorpusError
+from crest.ingest.corpus import CorpusReport, StreamedDocument, detect_format, iter_documents
 from tests.fix_corpus import (
     CONVERSATIONS,
     record_starts,

@@ -16,23 +16,22 @@ from crest_client.errors import CodecError, ConnectionUnavailable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crest.drafters import (
+from crest.drafters.merged import MergedDrafter
+from crest.drafters.prompt import PromptDrafter
+from crest.drafters.protocol import Drafter, NoneDrafter
+from crest.drafters.registry import make_drafter
+from crest.drafters.store import StoreDrafter
+from crest.drafters.suffix_array import RestDrafter, RestIndex
+from crest.drafters.trie import (
     MERGE_SCALE,
-    Drafter,
-    MergedDrafter,
-    NoneDrafter,
-    PromptDrafter,
-    StoreDrafter,
     _as_rows,
     _large_draft,
     _small_draft,
     build_draft,
-    make_drafter,
     merge_drafts,
     score_draft,
 )
 from crest.errors import ConfigError
-from crest.rest import RestDrafter, RestIndex
 
 BIG = 1 << 20  # token ids past 16 bits exercise the byte-wise row sort
 
@@ -248,7 +247,7 @@ def test_merge_drafts_repairs_weights_that_grow_downwards() -> None:
 
 
 def test_merged_estimates_keep_their_shares() -> None:
-    from crest.sizing import path_probabilities
+    from crest.decoding.sizing import path_probabilities
 
     tree = build_draft([[1, 2], [1, 3], [4]], tree_size=8, n=1)
     half = merge_drafts([tree], shares=[0.5], tree_size=8)  # a part trusted half as much predicts half

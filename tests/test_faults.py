@@ -31,7 +31,7 @@ import pytest
 from crest_client import Store
 
 from crest.config import FAULT_STAGES, IngestOptions
-from crest.ingest import ingest
+from crest.ingest.pipeline import ingest
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -396,8 +396,9 @@ def test_lookup_timeout_is_configurable(running: OwnServer) -> None:
 def test_generation_output_is_unchanged_when_the_store_goes_down_mid_generation(
     running: OwnServer, tmp_path: Path
 ) -> None:
-    from crest.drafters import make_drafter
-    from crest.verify import SpeculativeGenerator, generate_plain
+    from crest.bench.generate import generate_plain
+    from crest.decoding.generator import SpeculativeGenerator
+    from crest.drafters.registry import make_drafter
     from tests.fix_corpus import make_word_tokenizer
     from tests.fix_models import IdTokenizer, tiny_model
 

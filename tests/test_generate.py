@@ -11,8 +11,11 @@ import torch
 from crest_client.draft import Draft
 from scipy.stats import chisquare
 
-from crest.drafters import MergedDrafter, PromptDrafter
-from crest.verify import SpeculativeGenerator, accept_sampled, generate_plain, process_logits
+from crest.bench.generate import generate_plain
+from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.sampling import accept_sampled, process_logits
+from crest.drafters.merged import MergedDrafter
+from crest.drafters.prompt import PromptDrafter
 from tests.fix_models import IdTokenizer, tiny_model
 
 PROMPTS = [
@@ -32,7 +35,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2() -> object:
-    from crest.models import load_model
+    from crest.decoding.models import load_model
 
     torch.set_num_threads(2)
     return load_model("smollm2")

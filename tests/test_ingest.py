@@ -17,8 +17,8 @@ from crest_client import FingerprintMismatch, Store
 
 from crest.config import IngestOptions
 from crest.errors import ConfigError
-from crest.ingest import ingest
-from crest.tokenize import load_tokenizer
+from crest.ingest.pipeline import ingest
+from crest.ingest.tokenizer import load_tokenizer
 
 SQL = Path(__file__).resolve().parent.parent / "sql"
 TEXT = [

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.models import chat_prompt_ids, load_model
 from crest.errors import ModelError
-from crest.models import chat_prompt_ids, load_model
-from crest.verify import SpeculativeGenerator
 from tests.fix_models import tiny_config, tiny_model
 
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crest.errors import ConfigError, CorpusError
-from crest.ngrams import (
+from crest.ingest.ngrams import (
     NgramCounts,
     count_ngrams,
     doc_ends,

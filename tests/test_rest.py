@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from crest.drafters.suffix_array import RestDrafter, RestIndex, sort_suffixes
 from crest.errors import ConfigError, CorpusError
-from crest.rest import RestDrafter, RestIndex, sort_suffixes
 from tests.fix_corpora import corpora, flatten
 from tests.test_drafters import check_invariants, reference_tree, same
 
@@ -176,8 +176,9 @@ DOCS = [
 
 @pytest.mark.slow
 def test_rest_and_prompt_drafts_on_real_tokens(smollm2_gguf: Path) -> None:
-    from crest.drafters import MergedDrafter, PromptDrafter
-    from crest.tokenize import load_tokenizer
+    from crest.drafters.merged import MergedDrafter
+    from crest.drafters.prompt import PromptDrafter
+    from crest.ingest.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_gguf)
     docs = [tok.encode(d) for d in DOCS]

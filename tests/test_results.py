@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from crest.cli import app, main
+from crest.bench.results import envelope, markdown, write_results
+from crest.cli.app import app, main
 from crest.errors import CrestError
-from crest.results import envelope, markdown, write_results
 from tests.test_store import ROWS, publish
 
 

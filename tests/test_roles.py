@@ -14,12 +14,12 @@ from crest_client import Store
 from psycopg import sql
 from typer.testing import CliRunner
 
-from crest.cli import app
+from crest.cli.app import app
 from crest.config import IngestOptions
+from crest.db.roles import create_roles
 from crest.errors import ConfigError
-from crest.ingest import ingest
-from crest.roles import create_roles
-from crest.tokenize import load_tokenizer
+from crest.ingest.pipeline import ingest
+from crest.ingest.tokenizer import load_tokenizer
 
 pytest_plugins = ["tests.fix_corpus"]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from crest_client.draft import Draft
 
-from crest.verify import SpeculativeGenerator
+from crest.decoding.generator import SpeculativeGenerator
 from tests.fix_models import IdTokenizer, tiny_model
 
 torch.set_num_threads(1)
@@ -91,8 +91,8 @@ def test_sampled_tokens_have_the_distribution_of_plain_sampling(options: dict[st
 
 def test_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same test catches a rule that accepts any drafted child the target finds plausible (p >= 0.1)."""
-    import crest.verify
-    from crest.sampling import sample_nodes
+    import crest.decoding.generator
+    from crest.decoding.sampling import sample_nodes
 
     model, gen, prompt, draft = sampling_setup()
     seen: dict[str, torch.Tensor] = {}
@@ -114,8 +114,8 @@ def test_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyP
             slots.append(current)
             emitted.append(token)
 
-    monkeypatch.setattr(crest.verify, "sample_nodes", spy)
-    monkeypatch.setattr(crest.verify, "accept_greedy", lenient)
+    monkeypatch.setattr(crest.decoding.generator, "sample_nodes", spy)
+    monkeypatch.setattr(crest.decoding.generator, "accept_greedy", lenient)
     counts = two_token_counts(gen, prompt, draft, 600, **SAMPLING[0])
     assert chi_square_pvalue(counts, two_token_distribution(model, prompt, SAMPLING[0])) < 1e-6
 
@@ -140,7 +140,7 @@ def test_same_seed_same_output_and_seeds_differ() -> None:
 def test_process_logits_matches_transformers_warpers(options: dict[str, Any]) -> None:
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from crest.sampling import process_logits
+    from crest.decoding.sampling import process_logits
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     warpers = LogitsProcessorList([TemperatureLogitsWarper(options["temperature"])])

@@ -11,14 +11,14 @@ import pytest
 import torch
 from crest_client.draft import Draft
 
-from crest.verify import SpeculativeGenerator
+from crest.decoding.generator import SpeculativeGenerator
 from tests.fix_models import IdTokenizer, tiny_model
 
 torch.set_num_threads(1)
 
 
 def test_path_probabilities_are_weight_ratio_products() -> None:
-    from crest.sizing import path_probabilities
+    from crest.decoding.sizing import path_probabilities
 
     draft = Draft(np.array([1, 2, 3, 4, 5]), np.array([-1, -1, 0, 2, 1], dtype=np.int32), np.array([6, 2, 3, 3, 4]))
     # root children 6/8 and 2/8; 3 of 6 go on; all 3 of those go on; a child heavier than its parent is capped
@@ -40,7 +40,7 @@ def test_path_probabilities_are_weight_ratio_products() -> None:
     ids=["flat", "linear", "mild", "hopeless"],
 )
 def test_choose_draft_size_trades_acceptance_for_cost(seconds: list[float], scale: float, want: int) -> None:
-    from crest.sizing import CostModel, choose_draft_size
+    from crest.decoding.sizing import CostModel, choose_draft_size
 
     chain_weights = np.array([90, 80, 50, 20, 10, 9])
     draft = Draft(np.arange(6), np.arange(-1, 5, dtype=np.int32), chain_weights)
@@ -48,14 +48,14 @@ def test_choose_draft_size_trades_acceptance_for_cost(seconds: list[float], scal
 
 
 def test_cost_model_is_monotone_and_extrapolates() -> None:
-    from crest.sizing import CostModel
+    from crest.decoding.sizing import CostModel
 
     cost = CostModel([1, 2, 4], [1.3, 0.9, 2.0])  # the slow k = 1 was noise: it costs at most what k = 2 does
     np.testing.assert_allclose(cost(np.array([1, 2, 3, 4, 6])), [0.9, 0.9, 1.45, 2.0, 3.1])
 
 
 def test_calibration_is_cached_per_model_device_and_dtype() -> None:
-    from crest.sizing import calibrate
+    from crest.decoding.sizing import calibrate
 
     model = tiny_model("llama", max_positions=64)
     first = calibrate(model, sizes=(1, 4, 16), repeats=1)
@@ -68,7 +68,7 @@ def test_calibration_is_cached_per_model_device_and_dtype() -> None:
 
 def test_sizing_learns_that_underweighted_drafts_pay_off() -> None:
     """Weights that promise little keep drafts out at first; verified now and then, they prove better."""
-    from crest.sizing import CostModel
+    from crest.decoding.sizing import CostModel
 
     model = tiny_model("llama", seed=1)
     model.generation_config.eos_token_id = None

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crest.errors import ConfigError
-from crest.trees import TreeBatch, build_trees, find_occurrences, lex_order, position_hash
+from crest.ingest.trees import TreeBatch, build_trees, find_occurrences, lex_order, position_hash
 from tests.fix_corpora import corpora, flatten
 
 Path_ = tuple[int, ...]

@@ -15,18 +15,12 @@ from crest_client.draft import Draft
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crest.bench.generate import generate_plain
+from crest.decoding.cache import compact_cache
+from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.sampling import accept_greedy, children_of
+from crest.decoding.tree import build_tree_inputs, limit_depth, tree_layout, tree_mask
 from crest.errors import ConfigError, ModelError
-from crest.verify import (
-    SpeculativeGenerator,
-    accept_greedy,
-    build_tree_inputs,
-    children_of,
-    compact_cache,
-    generate_plain,
-    limit_depth,
-    tree_layout,
-    tree_mask,
-)
 from tests.fix_models import TINY_KINDS, IdTokenizer, tiny_model
 
 torch.set_num_threads(1)
@@ -330,7 +324,7 @@ def test_a_failing_drafter_changes_nothing_and_logs_once(bad: str, caplog: pytes
                 return Draft(np.array([3, 4]), np.array([1, -1], dtype=np.int32), np.array([2, 1]))
             return Draft(np.array([3, 4]), np.array([-1], dtype=np.int32), np.array([2, 1]))
 
-    with caplog.at_level(logging.WARNING, logger="crest.verify"):
+    with caplog.at_level(logging.WARNING, logger="crest.decoding.generator"):
         got = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=8).generate(
             [1, 2], drafter=Broken(), max_new_tokens=12
         )
@@ -394,7 +388,7 @@ def test_stop_string_cuts_at_the_token_that_completes_it_and_streams_the_same_te
 
 
 def test_streaming_holds_back_partial_characters() -> None:
-    from crest.verify import TextTracker
+    from crest.decoding.text import TextTracker
     from tests.fix_models import ByteTokenizer
 
     pieces: list[str] = []

@@ -11,7 +11,19 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql as pg
 
-from crest.schema import KEY_TOKENS_FUNCTION, STATES
+# frozen copies: a migration must not change when crest.db.schema does
+STATES = ("building", "published", "retired", "failed")
+KEY_TOKENS_FUNCTION = """
+CREATE OR REPLACE FUNCTION crest_key_tokens(key bytea, width integer) RETURNS integer[]
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+  SELECT coalesce(array_agg(tok ORDER BY i), '{}')
+  FROM (
+    SELECT i, (SELECT sum(get_byte(key, i * width + j)::bigint << (8 * (width - 1 - j)))
+               FROM generate_series(0, width - 1) AS j)::integer AS tok
+    FROM generate_series(0, length(key) / width - 1) AS i
+  ) AS t
+$$
+"""
 
 revision = "0001"
 down_revision = None

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 if TYPE_CHECKING:
-    from crest.ingest import IngestSummary
+    from crest.ingest.pipeline import IngestSummary
 
 Advance = Callable[[int], None]
 console = Console(stderr=True)

@@ -13,12 +13,14 @@ the drafter takes them evenly spaced over its sorted range (a stratified sample 
 keeps its share) rather than REST's first ones, which favour small token ids (`spread=False` restores that).
 `nbytes` is the size REST keeps: the int32 token array plus the int32 suffix array (int64 past 2**31 tokens);
 the document offsets and the first-token bucket table beside them are small.
+
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import tempfile
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,10 +28,13 @@ from pathlib import Path
 import numpy as np
 from crest_client.draft import Draft
 
-from crest.drafters import build_draft
+from crest.config import resolve_model_spec
+from crest.drafters.trie import build_draft
 from crest.errors import ConfigError, CorpusError
 
 FORMAT = 1
+
+
 _FILES = ("tokens.npy", "sa.npy", "doc_offsets.npy", "heads.npy", "meta.json")
 
 
@@ -285,3 +290,19 @@ class RestDrafter:
         )
         tree = build_draft(rows, tree_size=size, n=m)
         return tree if len(tree) else None
+
+
+def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: str) -> tuple[int, int]:
+    """Tokenize a corpus and write its REST index to `out`; return (bytes, tokens)."""
+    from crest.drafters.suffix_array import RestIndex
+    from crest.ingest.corpus import CorpusReport, iter_documents
+    from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+
+    tok = load_tokenizer(resolve_model_spec(tokenizer))
+    with tempfile.TemporaryDirectory() as work:
+        corpus = tokenize_corpus(iter_documents(list(inputs), fmt=fmt, report=CorpusReport()), tok, workdir=Path(work))
+        if corpus.tokens_total == 0:
+            raise CorpusError("the corpus has no tokens")
+        index = RestIndex.build(corpus.tokens, corpus.doc_offsets)
+        index.save(out)
+    return index.nbytes, corpus.tokens_total

@@ -61,9 +61,9 @@ def ingest(
     dsn: Dsn = None,
 ) -> None:
     """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store."""
+    from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
-    from crest.display import RichReporter, print_summary
-    from crest.ingest import ingest as run_ingest
+    from crest.ingest.pipeline import ingest as run_ingest
 
     options = IngestOptions(
         max_n=max_n,
@@ -107,9 +107,9 @@ def lookup(
     """Show the draft tree stored for the longest suffix of TEXT."""
     from crest_client import Store
 
+    from crest.cli.display import print_draft
     from crest.config import check_store_name, resolve_dsn, resolve_model_spec
-    from crest.display import print_draft
-    from crest.tokenize import load_tokenizer
+    from crest.ingest.tokenizer import load_tokenizer
 
     check_store_name(store)
     with Store.connect(resolve_dsn(dsn), store, cache_size=0, timeout=5.0) as handle:
@@ -132,8 +132,8 @@ def stores(
 ) -> None:
     """List the stores with their figures and disk use."""
     from crest import db
+    from crest.cli.display import print_stores
     from crest.config import resolve_dsn
-    from crest.display import print_stores
 
     url = resolve_dsn(dsn)
     db.upgrade(url)
@@ -178,7 +178,7 @@ def db_roles(
 ) -> None:
     """Create or update a read-only role and a writer role with least privileges (safe to run many times)."""
     from crest.config import resolve_dsn
-    from crest.roles import create_roles, password_from_env
+    from crest.db.roles import create_roles, password_from_env
 
     report = create_roles(
         resolve_dsn(dsn),
@@ -239,7 +239,7 @@ def generate(
     dsn: Dsn = None,
 ) -> None:
     """Generate with tree-attention speculative decoding (greedy output equals plain decoding)."""
-    from crest.generation import run_generate
+    from crest.cli.generate import run_generate
 
     run_generate(
         prompt=prompt,
@@ -273,7 +273,7 @@ def rest_build(
     fmt: Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")] = "auto",
 ) -> None:
     """Build the REST baseline's suffix array over a corpus and report its size."""
-    from crest.generation import build_rest_index
+    from crest.drafters.suffix_array import build_rest_index
 
     nbytes, tokens = build_rest_index(inputs, out=out, tokenizer=tokenizer, fmt=fmt)
     typer.echo(f"REST index of {tokens:,} tokens written to {out} ({nbytes:,} bytes)")
@@ -300,9 +300,9 @@ def bench_ingest(
     import time
 
     from crest import db
-    from crest.bench import ingest_figures
+    from crest.bench.ingest import ingest_figures
     from crest.config import IngestOptions, resolve_dsn
-    from crest.ingest import ingest as run_ingest
+    from crest.ingest.pipeline import ingest as run_ingest
 
     started = time.time()
     url = resolve_dsn(dsn)
@@ -334,8 +334,8 @@ def bench_lookup(
     """Time draft() cache misses side by side with a bare prepared lookup, and cache hits; or, with --seconds, load."""
     import time
 
-    from crest.bench import bench_load
-    from crest.bench import bench_lookup as run
+    from crest.bench.lookup import bench_load
+    from crest.bench.lookup import bench_lookup as run
     from crest.config import check_store_name, resolve_dsn
 
     started = time.time()
@@ -389,7 +389,8 @@ def bench_generate_cmd(
     import contextlib
     import time
 
-    from crest.bench import bench_generate, load_prompts, read_records, summarize_records
+    from crest.bench.generate import bench_generate, read_records, summarize_records
+    from crest.bench.prompts import load_prompts
     from crest.errors import ConfigError
 
     started = time.time()
@@ -444,8 +445,8 @@ def _report(
     """Print a benchmark's results (a table, or JSON) and write them into `out`, in the one results format."""
     import json
 
-    from crest.display import print_figures, print_rows
-    from crest.results import envelope, write_results
+    from crest.bench.results import envelope, write_results
+    from crest.cli.display import print_figures, print_rows
 
     results = envelope(benchmark, rows, started=started, **extra)
     if as_json:
@@ -496,8 +497,8 @@ def bench_accept_cmd(
 ) -> None:
     """Mean accepted length against datastore bytes, crest vs REST, with tokens/s and the paper's ablations."""
 
-    from crest.accept import AcceptOptions, run_accept
-    from crest.accept_report import main_table
+    from crest.bench.accept import AcceptOptions, run_accept
+    from crest.bench.report import main_table
     from crest.config import resolve_dsn
 
     options = AcceptOptions(

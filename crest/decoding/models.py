@@ -1,7 +1,7 @@
 """Loading target models: a Hugging Face directory or local name, or a `.gguf` file, on CPU or CUDA.
 
 Only families whose attention accepts a 4-D mask and explicit position ids are accepted (see
-`crest.verify.SUPPORTED`), with an attention kernel that honours a custom mask (sdpa or eager); anything
+`SUPPORTED`), with an attention kernel that honours a custom mask (sdpa or eager); anything
 else is refused with a ModelError, from the config before any weights are read when possible. Nothing
 is downloaded: names must already be in the local Hugging Face cache. A chat-template helper turns a
 user message into prompt token ids.
@@ -20,7 +20,6 @@ import torch
 
 from crest.config import resolve_model_spec
 from crest.errors import ModelError
-from crest.verify import ATTENTION, SUPPORTED, check_supported
 
 DTYPES: dict[str, torch.dtype | None] = {
     "float32": torch.float32,
@@ -29,6 +28,27 @@ DTYPES: dict[str, torch.dtype | None] = {
     "float64": torch.float64,
     "auto": None,
 }
+
+
+SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2 and tiny), qwen2 and mistral (tiny)
+ATTENTION = ("sdpa", "eager")  # attention kernels that honour a custom 4-D additive mask
+
+
+def check_supported(model: Any) -> None:
+    """Raise ModelError unless the model's family and attention kernel accept a 4-D mask and position ids."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise ModelError(
+            f"model type {kind!r} is not supported by the tree verifier (supported: {', '.join(SUPPORTED)}; "
+            "tested: llama incl. SmolLM2, qwen2, mistral)"
+        )
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention not in ATTENTION:
+        raise ModelError(
+            f"attention implementation {attention!r} ignores custom tree masks: load the model with "
+            f"attn_implementation set to one of {', '.join(ATTENTION)}"
+        )
 
 
 @dataclass
@@ -139,7 +159,7 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (no downloads) and check the verifier supports it."""
-    from crest.tokenize import load_tokenizer
+    from crest.ingest.tokenizer import load_tokenizer
 
     torch_dtype = resolve_dtype(dtype)
     dev = check_device(device)

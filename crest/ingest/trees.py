@@ -27,7 +27,7 @@ import numpy as np
 from crest_client.draft import Draft
 
 from crest.errors import ConfigError
-from crest.ngrams import check_offsets, iter_chunks, run_starts, window_keys
+from crest.ingest.ngrams import check_offsets, iter_chunks, run_starts, window_keys
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)

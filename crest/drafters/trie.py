@@ -1,44 +1,23 @@
-"""Drafters: everything that proposes a token tree for the verifier, behind one small protocol.
+"""Token tries of continuations, in the canonical node order every drafter returns.
 
-`draft(context_ids, max_nodes) -> Draft | None`. `none` drafts nothing (plain decoding through the same
-loop); `prompt` matches the context's longest repeated suffix earlier in the request itself (prompt lookup
-decoding); `crest` asks a store through the SDK (`StoreDrafter`); `rest` searches the REST baseline's
-suffix array (`crest.rest`); `crest+prompt` merges the store's tree and the prompt's tree into one
-(`MergedDrafter`). Every returned tree keeps the order of stored trees: weight descending, then depth, then
-token id, then the parent's position, so parents precede children and `draft.truncate(k)` is the best
-subtree of k nodes. `build_draft` builds that tree from a set of continuations (REST's Algorithm 2).
+`build_draft` builds the weighted trie of a set of continuations (REST's Algorithm 2) and keeps its heaviest
+nodes in the order weight descending, then depth, then token id, then the parent's position, so parents precede
+children and any prefix is the best subtree of its size. `merge_drafts` merges several trees into one in the
+same order, and `score_draft` walks a draft along known tokens (what greedy verification would accept).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import psycopg
 from crest_client.draft import Draft, empty_draft
 
-from crest.errors import ConfigError, CrestClientError
-
-log = logging.getLogger(__name__)
-
-NAMES = ("none", "prompt", "rest", "crest", "crest+prompt")
 MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
-MIN_SCALE, MAX_SCALE = 0.02, 2.0  # bounds of a merged part's learned scale
-LEARN_DECAY = 0.97  # per observed step: the learned scales follow the last ~30 steps
-LEARN_WINDOW = 256  # tokens appended since the last call beyond which a merged drafter does not score
+
+
 _SMALL = 320  # continuation tokens (rows x width) up to which a Python dict builds the trie faster than numpy
-_STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # OSError covers socket errors and TimeoutError
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    """Anything that proposes a draft tree for a context."""
-
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None: ...
 
 
 def build_draft(
@@ -264,163 +243,9 @@ def merge_drafts(
     return replace(_order(tokens, parents, weights, tree_size=tree_size, n=n), total=MERGE_SCALE)
 
 
-class NoneDrafter:
-    """Drafts nothing: plain decoding through the speculative loop."""
-
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        """Return no draft."""
-        return None
-
-
-class PromptDrafter:
-    """Prompt lookup: continuations after the most recent earlier occurrences of the context's longest suffix.
-
-    The longest suffix of n tokens (`max_ngram` down to `min_ngram`) that also ends earlier in the context
-    wins; the `continuation_length` tokens after each of its `max_matches` most recent occurrences form a
-    tree whose weights count the occurrences through each node. The context is kept in a growing buffer
-    reused while each call's context extends the previous one (the verifier's case), so a step costs one
-    vectorised comparison with the last token plus work on its earlier occurrences. Not thread-safe.
-    """
-
-    def __init__(
-        self, *, max_ngram: int = 8, min_ngram: int = 2, max_matches: int = 8, continuation_length: int = 10
-    ) -> None:
-        if not 1 <= min_ngram <= max_ngram or max_matches < 1 or continuation_length < 1:
-            raise ConfigError("prompt lookup needs 1 <= min_ngram <= max_ngram, max_matches and length >= 1")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.max_matches, self.continuation_length = max_matches, continuation_length
-        self._seen: list[int] = []
-        self._buffer = np.zeros(1024, dtype=np.int64)
-
-    def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
-        """Return the tree of continuations after the longest repeated suffix, or None."""
-        ctx = self._sync(context_ids)  # [N]
-        size = ctx.shape[0]
-        top = min(self.max_ngram, size - 1)
-        if top < self.min_ngram or max_nodes <= 0:
-            return None
-        hits = np.flatnonzero(ctx[: size - 1] == ctx[size - 1])  # earlier ends of the last token
-        best = 1
-        for k in range(1, top):  # extend the match backwards while some occurrence keeps up
-            back = hits - k
-            longer = hits[(back >= 0) & (ctx[np.maximum(back, 0)] == ctx[size - 1 - k])]
-            if not longer.shape[0]:
-                break
-            hits, best = longer, k + 1
-        if best < self.min_ngram or not hits.shape[0]:
-            return None
-        starts = hits[::-1][: self.max_matches] + 1  # most recent first
-        at = starts[:, None] + np.arange(self.continuation_length)  # [M, L]
-        rows = np.where(at < size, ctx[np.minimum(at, size - 1)], -1)
-        tree = build_draft(rows, tree_size=max_nodes, n=best)
-        return tree if len(tree) else None
-
-    def _sync(self, context_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Return the context as an int64 array, reusing the buffer when it extends the last context."""
-        ids = context_ids if isinstance(context_ids, list) else np.asarray(context_ids).reshape(-1).tolist()
-        known = len(self._seen)
-        if len(ids) < known or ids[:known] != self._seen:
-            self._seen, known = [], 0
-        fresh = [int(t) for t in ids[known:]]
-        if fresh:
-            need = known + len(fresh)
-            if need > self._buffer.shape[0]:
-                grown = np.zeros(max(need, 2 * self._buffer.shape[0]), dtype=np.int64)
-                grown[:known] = self._buffer[:known]
-                self._buffer = grown
-            self._buffer[known:need] = fresh
-            self._seen.extend(fresh)
-        return self._buffer[: len(self._seen)]
-
-
-class StoreDrafter:
-    """Drafts from a crest store through the SDK; store and database errors give no draft for that step."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.failures = 0
-
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        """Return the store's tree for the context (at most `max_nodes` nodes), or None."""
-        try:
-            tree = self.store.draft(context_ids, max_nodes=max_nodes)
-        except _STORE_ERRORS as exc:
-            self.failures += 1
-            level = logging.WARNING if self.failures == 1 else logging.DEBUG
-            log.log(level, "store draft failed, no draft this step (logged once): %s", exc)
-            return None
-        if tree is None or len(tree) == 0 or max_nodes <= 0:
-            return None
-        return tree.truncate(max_nodes)
-
-
-class MergedDrafter:
-    """Merges two drafters' trees (`merge_drafts`), each scaled by how often its drafts prove right.
-
-    Each tree's weights are divided by its root total, so a store tree built from a million continuations
-    and a prompt tree built from three matches count alike; then each part's estimates are scaled by its
-    observed ratio of right to predicted nodes. The drafter learns that ratio from the context itself: the
-    tokens appended since its last call are the target's own, so every part's last tree can be checked
-    against them (the nodes along their path count as right, up to their length), whether or not the
-    verifier kept those nodes. `secondary_share` scales the second tree's estimates further. A part that
-    raises is logged once and skipped, so the other part still drafts.
-    """
-
-    def __init__(self, primary: Drafter, secondary: Drafter, *, secondary_share: float = 1.0) -> None:
-        self.primary, self.secondary, self.secondary_share = primary, secondary, secondary_share
-        self._failed: set[int] = set()
-        self._right = [0.0, 0.0]  # decayed nodes proved right, per part
-        self._predicted = [0.0, 0.0]  # decayed nodes the part's weights predicted, same depths
-        self._last: tuple[int, int, list[Draft | None]] | None = None  # (context length, last token, trees)
-
-    def scales(self) -> tuple[float, float]:
-        """Return each part's observed ratio of right to predicted nodes (1.0 before any evidence)."""
-        a, b = ((r + 1.0) / (p + 1.0) for r, p in zip(self._right, self._predicted, strict=True))
-        return float(np.clip(a, MIN_SCALE, MAX_SCALE)), float(np.clip(b, MIN_SCALE, MAX_SCALE))
-
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        """Return the merged tree of both drafters' trees, or None when neither drafts."""
-        self._learn(context_ids)
-        trees = [
-            self._part(0, self.primary, context_ids, max_nodes),
-            self._part(1, self.secondary, context_ids, max_nodes),
-        ]
-        self._last = (len(context_ids), int(context_ids[-1]), trees) if len(context_ids) else None
-        if max_nodes <= 0 or all(t is None or len(t) == 0 for t in trees):
-            return None
-        a, b = self.scales()
-        tree = merge_drafts(trees, shares=(a, b * self.secondary_share), tree_size=max_nodes)
-        return tree if len(tree) else None
-
-    def _learn(self, context_ids: Sequence[int]) -> None:
-        """Score the last call's trees against the tokens appended since, when the context grew from it."""
-        if self._last is None:
-            return
-        length, token, trees = self._last
-        self._last = None
-        if not length < len(context_ids) <= length + LEARN_WINDOW or int(context_ids[length - 1]) != token:
-            return  # a new request, or too far apart to score
-        appended = [int(t) for t in context_ids[length:]]
-        for which, tree in enumerate(trees):
-            if tree is None or len(tree) == 0:
-                continue
-            right, predicted = score_draft(tree, appended)
-            self._right[which] = LEARN_DECAY * self._right[which] + right
-            self._predicted[which] = LEARN_DECAY * self._predicted[which] + predicted
-
-    def _part(self, which: int, drafter: Drafter, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        try:
-            return drafter.draft(context_ids, max_nodes)
-        except Exception as exc:  # one failing part must not cost the other part's draft
-            if which not in self._failed:
-                self._failed.add(which)
-                log.warning("drafter %s failed, merging without it (logged once): %s", type(drafter).__name__, exc)
-            return None
-
-
 def score_draft(draft: Draft, tokens: Sequence[int]) -> tuple[int, float]:
     """Return (nodes on the path spelled by `tokens`, predicted accepted nodes at depths <= len(tokens))."""
-    from crest.sizing import path_probabilities
+    from crest.decoding.sizing import path_probabilities
 
     depth = draft.depths()
     predicted = float(path_probabilities(draft)[depth <= len(tokens)].sum())
@@ -433,29 +258,3 @@ def score_draft(draft: Draft, tokens: Sequence[int]) -> tuple[int, float]:
             break
         right += 1
     return right, predicted
-
-
-def make_drafter(name: str, *, store: Any = None, rest_index: Any = None) -> Drafter | None:
-    """Return the drafter called `name` (none, prompt, rest, crest, crest+prompt) built on its parts.
-
-    `store` is a `crest_client.Store` (or anything with its `draft` method); `rest_index` a
-    `crest.rest.RestIndex` or the directory of a saved one.
-    """
-    key = name.strip().lower()
-    if key not in NAMES:
-        raise ConfigError(f"unknown drafter {name!r}: use one of {', '.join(NAMES)}")
-    if key == "none":
-        return NoneDrafter()
-    if key == "prompt":
-        return PromptDrafter()
-    if key == "rest":
-        if rest_index is None:
-            raise ConfigError("the rest drafter needs a REST index (build one with `crest rest-index build`)")
-        from crest.rest import RestDrafter, RestIndex
-
-        index = RestIndex.load(rest_index) if isinstance(rest_index, str | Path) else rest_index
-        return RestDrafter(index)
-    if store is None:
-        raise ConfigError(f"the {key} drafter needs a store (--store NAME)")
-    crest = StoreDrafter(store)
-    return crest if key == "crest" else MergedDrafter(crest, PromptDrafter())

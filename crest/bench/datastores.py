@@ -82,7 +82,7 @@ def sharegpt_path() -> Path:
 
 
 def _records(path: Path) -> Iterator[Any]:
-    from crest.corpus import CorpusReport, _ArrayParser, _Sizes
+    from crest.ingest.corpus import CorpusReport, _ArrayParser, _Sizes
 
     yield from _ArrayParser(path, CorpusReport(), _Sizes(piece=256 << 10, record=256 << 20, read=1 << 20))
 
@@ -142,9 +142,9 @@ def build_rest_indexes(
     corpus: Corpus, *, tokenizer: str, percents: Sequence[float], out: Path, seed: int, rebuild: bool, setting: str
 ) -> list[Variant]:
     """Build (or reuse) a REST index over a seeded random `percent` of the corpus documents, per percent."""
-    from crest.corpus import iter_documents
-    from crest.rest import RestIndex
-    from crest.tokenize import load_tokenizer, tokenize_corpus
+    from crest.drafters.suffix_array import RestIndex
+    from crest.ingest.corpus import iter_documents
+    from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
 
     tok = load_tokenizer(resolve_model_spec(tokenizer))
     wanted = {p: out / f"rest_{setting}_p{_label(p)}" for p in percents}
@@ -198,8 +198,8 @@ def build_store(
     corpus: Corpus, *, name: str, tokenizer: str, dsn: str, options: IngestOptions, out: Path, rebuild: bool
 ) -> Variant:
     """Ingest (or reuse) the crest store `name` with `options`; return it with its table + index bytes."""
-    from crest.ingest import ingest
-    from crest.tokenize import load_tokenizer
+    from crest.ingest.pipeline import ingest
+    from crest.ingest.tokenizer import load_tokenizer
 
     manifest_path = out / "stores.json"
     manifest = _read_json(manifest_path) or {}

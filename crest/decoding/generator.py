@@ -8,6 +8,7 @@ accepted, plus the target's own next token; the accepted path's KV entries are m
 dropped, with no recomputation. Greedy output equals plain greedy decoding; with sampling, each node's token
 is drawn from the target's processed distribution and the walk follows the child that matches
 (`crest.sampling`), so the output distribution is the target's own. Draft sizes come from `crest.sizing`.
+
 """
 
 from __future__ import annotations
@@ -16,59 +17,34 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from crest_client.draft import Draft
 
-from crest.errors import ConfigError, ModelError
-from crest.sampling import (
+from crest.decoding.cache import compact_cache
+from crest.decoding.models import check_supported
+from crest.decoding.sampling import (
     accept_greedy,
-    accept_sampled,
     check_sampling,
     children_of,
     process_logits,
     sample_nodes,
 )
-from crest.sizing import CostModel, calibrate, choose_draft_size, path_probabilities
-
-__all__ = [
-    "ATTENTION",
-    "SUPPORTED",
-    "CostModel",
-    "Drafter",
-    "GenerationResult",
-    "SpeculativeGenerator",
-    "accept_greedy",
-    "accept_sampled",
-    "build_tree_inputs",
-    "calibrate",
-    "check_supported",
-    "children_of",
-    "choose_draft_size",
-    "compact_cache",
-    "crop_cache",
-    "generate_plain",
-    "limit_depth",
-    "process_logits",
-    "tree_inputs",
-    "tree_layout",
-    "tree_mask",
-]
+from crest.decoding.sizing import CostModel, calibrate, choose_draft_size, path_probabilities
+from crest.decoding.text import TextTracker
+from crest.decoding.tree import additive_mask, check_draft, limit_depth, tree_inputs, tree_mask
+from crest.drafters.protocol import Drafter
+from crest.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2 and tiny), qwen2 and mistral (tiny)
-ATTENTION = ("sdpa", "eager")  # attention kernels that honour a custom 4-D additive mask
+
 EXPLORE_EVERY = 16  # steps without a worthwhile draft before one is verified anyway
+
+
 EXPLORE_NODES = 4  # at most this many nodes in such a probe: enough to learn from, cheap to verify
-
-
-class Drafter(Protocol):
-    """Anything that proposes a draft tree for a context."""
-
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None: ...
 
 
 @dataclass
@@ -100,175 +76,6 @@ class GenerationResult:
         return asdict(self)
 
 
-def check_supported(model: Any) -> None:
-    """Raise ModelError unless the model's family and attention kernel accept a 4-D mask and position ids."""
-    config = getattr(model, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED:
-        raise ModelError(
-            f"model type {kind!r} is not supported by the tree verifier (supported: {', '.join(SUPPORTED)}; "
-            "tested: llama incl. SmolLM2, qwen2, mistral)"
-        )
-    attention = getattr(config, "_attn_implementation", None) or "eager"
-    if attention not in ATTENTION:
-        raise ModelError(
-            f"attention implementation {attention!r} ignores custom tree masks: load the model with "
-            f"attn_implementation set to one of {', '.join(ATTENTION)}"
-        )
-
-
-def tree_layout(draft: Draft) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return (breadth-first order, parent slot in that layout with 0 = root, depth) of the draft's nodes."""
-    depth = draft.depths()
-    order = np.lexsort((np.arange(len(draft)), depth))  # breadth-first, stable within a depth
-    slot = np.empty(len(draft), dtype=np.int64)
-    slot[order] = np.arange(1, len(draft) + 1)  # slot 0 is the root
-    parents = draft.parents[order]
-    parent_slot = np.where(parents >= 0, slot[np.maximum(parents, 0)], 0)
-    return order, parent_slot, depth[order]
-
-
-def tree_mask(parent_slot: np.ndarray) -> np.ndarray:
-    """Return the [T+1, T+1] bool mask of root + nodes: each sees itself and its ancestors."""
-    size = parent_slot.shape[0] + 1
-    mask = np.zeros((size, size), dtype=bool)  # [T+1, T+1]
-    mask[:, 0] = True
-    for i, p in enumerate(parent_slot.tolist(), start=1):
-        mask[i] = mask[p]
-        mask[i, i] = True
-    return mask
-
-
-def additive_mask(
-    visible: np.ndarray,
-    positions: torch.Tensor,
-    past_len: int,
-    *,
-    dtype: torch.dtype,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Return the [1, 1, S, past+S] additive mask (0 = attend, dtype min = not) of a tree over a cache."""
-    device = positions.device
-    size = visible.shape[0]
-    tree = torch.from_numpy(visible).to(device)  # [S, S]
-    if past_len == 0 and window is None:
-        allowed = tree
-    else:
-        prefix = torch.ones((size, past_len), dtype=torch.bool, device=device)  # [S, past]
-        allowed = torch.cat((prefix, tree), dim=1)  # [S, past+S]
-        if window is not None:
-            keys = torch.cat((torch.arange(past_len, device=device), positions[0]))  # [past+S] key positions
-            allowed &= positions[0].view(-1, 1) - keys.view(1, -1) < window
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.view(1, 1, size, -1)
-
-
-def tree_inputs(
-    root: int, draft: Draft, past_len: int, *, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Return (input_ids [1, T+1], position_ids [1, T+1], tokens [T+1], parent slots [T]) of root + tree."""
-    order, parent_slot, depth = tree_layout(draft)
-    tokens = np.concatenate(([root], draft.tokens[order])).astype(np.int64)  # [T+1] root first
-    positions = past_len + np.concatenate(([0], depth)).astype(np.int64)  # [T+1]
-    ids = torch.from_numpy(tokens).view(1, -1).to(device)
-    pos = torch.from_numpy(positions).view(1, -1).to(device)
-    return ids, pos, tokens, parent_slot
-
-
-def build_tree_inputs(
-    root: int,
-    draft: Draft,
-    past_len: int,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Return (input_ids [1, T+1], position_ids [1, T+1], mask [1, 1, T+1, past+T+1], tokens, parent slots)."""
-    ids, pos, tokens, parent_slot = tree_inputs(root, draft, past_len, device=device)
-    mask = additive_mask(tree_mask(parent_slot), pos, past_len, dtype=dtype, window=window)
-    return ids, pos, mask, tokens, parent_slot
-
-
-def limit_depth(draft: Draft, max_depth: int) -> Draft:
-    """Return the subtree of nodes at depth <= `max_depth`, in the same order (parents renumbered)."""
-    if len(draft) == 0:
-        return draft
-    keep = draft.depths() <= max_depth
-    if keep.all():
-        return draft
-    index = np.cumsum(keep) - 1  # new index of each kept node
-    parents = np.where(draft.parents >= 0, index[np.maximum(draft.parents, 0)], -1)[keep]
-    return Draft(draft.tokens[keep], parents.astype(np.int32), draft.weights[keep], draft.n, draft.total)
-
-
-def compact_cache(cache: Any, past_len: int, slots: Sequence[int]) -> None:
-    """Keep the prefix, the root and the accepted slots' KV entries (moved into place, in path order)."""
-    keep = len(slots)
-    for layer in cache.layers:
-        if keep:
-            src = torch.tensor([past_len + s for s in slots], dtype=torch.long).to(layer.keys.device)
-            layer.keys[:, :, past_len + 1 : past_len + 1 + keep] = layer.keys.index_select(2, src)
-            layer.values[:, :, past_len + 1 : past_len + 1 + keep] = layer.values.index_select(2, src)
-        layer.keys = layer.keys[:, :, : past_len + 1 + keep]
-        layer.values = layer.values[:, :, : past_len + 1 + keep]
-
-
-def crop_cache(cache: Any, length: int) -> None:
-    """Keep the first `length` positions of every layer's keys and values."""
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
-
-
-def check_draft(draft: Draft, vocab: int) -> None:
-    """Raise ValueError unless `draft` is a well-formed tree over token ids below `vocab`."""
-    draft.validate()
-    if len(draft) and (draft.tokens.min() < 0 or draft.tokens.max() >= vocab):
-        raise ValueError(f"a draft token is outside the model's vocabulary of {vocab}")
-
-
-class TextTracker:
-    """Decodes the output as it grows: streams new text, holds back partial characters, finds stop strings."""
-
-    def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.on_text = on_text
-        self.sent = ""
-        self.searched = 0  # text length already searched for stop strings
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Return the text of `ids` without special tokens."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    def stop_at(self, out: list[int], before: int) -> int | None:
-        """Return the length of `out` that just completes a stop string (None: no stop string yet)."""
-        if not self.stop:
-            return None
-        text = self.decode(out)
-        start = max(0, self.searched - max(len(s) for s in self.stop) + 1)
-        self.searched = len(text)
-        if not any(s in text[start:] for s in self.stop):
-            return None
-        for end in range(before + 1, len(out) + 1):  # the first token that completes a stop string
-            if any(s in self.decode(out[:end]) for s in self.stop):
-                return end
-        return len(out)
-
-    def push(self, out: Sequence[int], *, final: bool = False) -> None:
-        """Stream the text added since the last call (all of it when `final`)."""
-        if self.on_text is None:
-            return
-        text = self.decode(out)
-        if not final:
-            text = text.rstrip("\ufffd")  # an incomplete multi-byte character may still change
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            self.on_text(text[len(self.sent) :])
-            self.sent = text
-
-
 class SpeculativeGenerator:
     """Generates with a drafter and a Hugging Face causal LM, one target forward per step."""
 
@@ -295,7 +102,7 @@ class SpeculativeGenerator:
         config = model.config
         self.vocab = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", None) or 1 << 30)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self._windows = _mask_windows(config)
         self._cost: CostModel | None = None
         self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
@@ -464,7 +271,7 @@ class SpeculativeGenerator:
         }
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     """Return the model's end-of-sequence ids (generation config first, else the tokenizer's)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
@@ -483,53 +290,6 @@ def _mask_windows(config: Any) -> dict[str, int | None]:
     if getattr(config, "model_type", None) == "mistral" and window:
         return {"full_attention": int(window)}
     return {"full_attention": None}
-
-
-def generate_plain(
-    model: Any,
-    tokenizer: Any,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-) -> GenerationResult:
-    """Run `model.generate` (the baseline; greedy when temperature is 0) and return its result with timings."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], device=device)
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-        if temperature > 0
-        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    )
-    eos = _eos_ids(model, tokenizer)
-    pad = getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None)
-    start = time.perf_counter()
-    with torch.no_grad():
-        full = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad if pad is not None else (min(eos) if eos else 0),
-            **sampling,
-        )
-    out = full[0, ids.shape[1] :].tolist()  # synchronises
-    seconds = time.perf_counter() - start
-    return GenerationResult(
-        prompt_token_ids=list(prompt_ids),
-        output_token_ids=out,
-        text=str(tokenizer.decode(out, skip_special_tokens=True)),
-        new_tokens=len(out),
-        forward_passes=len(out),
-        mean_accepted_length=1.0,
-        draft_seconds=0.0,
-        verify_seconds=seconds,
-        tokens_per_second=len(out) / seconds if seconds else 0.0,
-        stop_reason="eos" if out and out[-1] in eos else "length",
-        accepted_per_step=[1] * len(out),
-        seconds=seconds,
-    )
 
 
 _EMPTY = Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), 0)

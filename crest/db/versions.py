@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 import psycopg
@@ -26,7 +26,7 @@ from crest.errors import DatabaseError, StoreNotFound
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS = "crest.migrations"  # the top-level migrations/ folder, mapped into the package
 # bytes of a version's token table and key filter (as stored, compressed or not); parameter: the store id
 STORE_DATA_BYTES = (
     "(SELECT coalesce(sum(pg_column_size(token_table) + coalesce(pg_column_size(key_filter), 0)), 0)"
@@ -66,8 +66,8 @@ def upgrade(dsn: str, *, revision: str = "head") -> str | None:
 
     engine = create_engine("postgresql+psycopg://", creator=lambda: connect(dsn), poolclass=NullPool)
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     try:
+        config.set_main_option("script_location", str(resources.files(MIGRATIONS)))
         with engine.begin() as connection:
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})")
             config.attributes["connection"] = connection

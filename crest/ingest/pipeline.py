@@ -24,11 +24,11 @@ from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 from crest.config import IngestOptions, check_store_name, fault_pause, resolve_model_spec
-from crest.corpus import CorpusReport, iter_documents
 from crest.errors import ConfigError, CorpusError
-from crest.ngrams import count_ngrams, select_top
-from crest.tokenize import load_tokenizer, tokenize_corpus
-from crest.trees import TreeBatch, build_trees
+from crest.ingest.corpus import CorpusReport, iter_documents
+from crest.ingest.ngrams import count_ngrams, select_top
+from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+from crest.ingest.trees import TreeBatch, build_trees
 
 Advance = Callable[[int], None]
 

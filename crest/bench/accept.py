@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 from crest_client.draft import Draft
 
-from crest.config import IngestOptions, resolve_model_spec
-from crest.datastores import (
+from crest.bench.datastores import (
     Corpus,
     Variant,
     auto_top_t,
@@ -40,7 +39,12 @@ from crest.datastores import (
     size_tag,
     stdlib_files,
 )
-from crest.drafters import NAMES, Drafter, MergedDrafter, NoneDrafter, PromptDrafter, StoreDrafter
+from crest.config import IngestOptions, resolve_model_spec
+from crest.drafters.merged import MergedDrafter
+from crest.drafters.prompt import PromptDrafter
+from crest.drafters.protocol import Drafter, NoneDrafter
+from crest.drafters.registry import NAMES
+from crest.drafters.store import StoreDrafter
 from crest.errors import ConfigError, CorpusError
 
 SETTINGS = ("chat", "code")
@@ -130,7 +134,7 @@ def replay(
     max_positions: int = 1 << 30,
 ) -> Replay:
     """Replay greedy verification of `drafter`'s trees against the known greedy continuation `output_ids`."""
-    from crest.verify import limit_depth
+    from crest.decoding.tree import limit_depth
 
     prompt, out = [int(t) for t in prompt_ids], [int(t) for t in output_ids]
     done, steps, latencies = 0, 0, []
@@ -167,7 +171,7 @@ def prepare_corpus(opts: AcceptOptions, out: Path) -> Corpus:
 
 def prepare_prompts(opts: AcceptOptions, corpus: Corpus) -> tuple[list[str], bool]:
     """Return the prompts (first `limit`) and whether to apply the chat template."""
-    from crest.bench import load_prompts
+    from crest.bench.prompts import load_prompts
 
     if opts.prompts:
         prompts, chat = load_prompts(opts.prompts), opts.chat
@@ -180,7 +184,7 @@ def prepare_prompts(opts: AcceptOptions, corpus: Corpus) -> tuple[list[str], boo
 
 def _generator(model: Any, tokenizer: Any, *, max_draft_tokens: int | None, cost: Any) -> Any:
     """Return a fresh generator (its own acceptance estimate) sharing the calibrated cost model."""
-    from crest.verify import SpeculativeGenerator
+    from crest.decoding.generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator(model, tokenizer, max_draft_tokens=max_draft_tokens)
     gen._cost = cost  # calibrated once per model; each drafter keeps its own acceptance statistics
@@ -188,7 +192,7 @@ def _generator(model: Any, tokenizer: Any, *, max_draft_tokens: int | None, cost
 
 
 def _drafter(name: str, variant: Variant | None, *, stores: dict[str, Any], indexes: dict[str, Any]) -> Drafter:
-    from crest.rest import RestDrafter
+    from crest.drafters.suffix_array import RestDrafter
 
     if name == "none":
         return NoneDrafter()
@@ -220,7 +224,7 @@ def measure(
     """Generate every prompt plainly, replay every drafter and size on it, time the sizes `timing` asks for."""
     from crest_client import Store
 
-    from crest.rest import RestIndex
+    from crest.drafters.suffix_array import RestIndex
 
     started = time.perf_counter()
 
@@ -414,10 +418,10 @@ def run_accept(
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Build the datastores, measure every drafter and size, write accept.json, accept.md and the plots."""
-    from crest.accept_report import compare, write_markdown, write_plots
-    from crest.models import load_model
-    from crest.results import started_at, versions
-    from crest.tokenize import load_tokenizer
+    from crest.bench.report import compare, write_markdown, write_plots
+    from crest.bench.results import started_at, versions
+    from crest.decoding.models import load_model
+    from crest.ingest.tokenizer import load_tokenizer
 
     opts.validate()
     out.mkdir(parents=True, exist_ok=True)

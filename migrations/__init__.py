@@ -1,0 +1,1 @@
+"""crest's Alembic migrations, shipped inside the wheel as `crest.migrations` (read with importlib.resources)."""

@@ -1,0 +1,1 @@
+"""crest's inspection queries, shipped inside the wheel as `crest.sql` (read with importlib.resources)."""
