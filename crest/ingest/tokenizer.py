@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from crest.config import resolve_model_spec
 from crest.errors import ConfigError, TokenizerError
 
 Advance = Callable[[int], None]
@@ -89,10 +90,11 @@ def _eos_ids(hf: Any) -> list[int]:
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
-    """Load a tokenizer from a directory, a tokenizer.json, a locally cached Hugging Face name or a .gguf file."""
+    """Load a tokenizer from a directory, a tokenizer.json, a cached Hugging Face name, a .gguf file or `smollm2`."""
     spec = os.fspath(spec)
     if not spec:
         raise TokenizerError("no tokenizer given")
+    spec = resolve_model_spec(spec)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     path = Path(spec).expanduser()
     with warnings.catch_warnings():
