@@ -1,7 +1,8 @@
 """Configuration read in one place: command-line option > `CREST_*` environment variable > default.
 
-`CREST_DATABASE_URL` names the database (else the embedded default under `CREST_HOME`); ingest and
-generation defaults can be overridden by `CREST_<OPTION>` variables, which the CLI declares per option.
+`CREST_DATABASE_URL` names the database (else the embedded default under `CREST_HOME`); that rule and the
+store-name rule live in the SDK (`crest_client.names`) and are handed on from here. Ingest and generation
+defaults can be overridden by `CREST_<OPTION>` variables, which the CLI declares per option.
 """
 
 from __future__ import annotations
@@ -12,36 +13,29 @@ import sys
 import time
 from dataclasses import dataclass
 
-from crest_client.embedded import crest_home, embedded_dsn
+from crest_client.names import ENV_DSN, NAME_RE, check_store_name, resolve_dsn
 
-from crest.errors import ConfigError, InvalidName
+from crest.errors import ConfigError
 
-ENV_DSN = "CREST_DATABASE_URL"
 ENV_FAULT_PAUSE = "CREST_FAULT_PAUSE"  # test hook: see `fault_pause`
 FAULT_STAGES = ("read", "count", "build", "load", "publish")
-NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
-
-def resolve_dsn(option: str | None = None) -> str:
-    """Return the DSN from the option, else CREST_DATABASE_URL, else the embedded default (started)."""
-    if option:
-        return option
-    env = os.environ.get(ENV_DSN)
-    if env:
-        return env
-    return embedded_dsn(crest_home())
-
-
-def check_store_name(name: str) -> str:
-    """Return `name` when it is a plain identifier, else raise InvalidName."""
-    if not NAME_RE.match(name or ""):
-        raise InvalidName(
-            f"store name {name!r} is not a plain identifier (letters, digits and _, not starting with a digit, "
-            "at most 63 characters)"
-        )
-    return name
+__all__ = [
+    "ENV_DSN",
+    "ENV_FAULT_PAUSE",
+    "FAULT_STAGES",
+    "NAME_RE",
+    "SMOLLM2_ALIASES",
+    "IngestOptions",
+    "check_store_name",
+    "fault_pause",
+    "find_smollm2_gguf",
+    "parse_size",
+    "resolve_dsn",
+    "resolve_model_spec",
+]
 
 
 def parse_size(text: str) -> int:

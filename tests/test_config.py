@@ -55,3 +55,10 @@ def test_store_names_must_be_identifiers(name: str) -> None:
 def test_invalid_ingest_options(options: IngestOptions) -> None:
     with pytest.raises(ConfigError):
         options.validate()
+
+
+def test_the_store_name_and_dsn_rules_are_the_sdks() -> None:
+    import crest_client.names
+
+    assert check_store_name is crest_client.names.check_store_name
+    assert resolve_dsn is crest_client.names.resolve_dsn

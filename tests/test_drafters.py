@@ -4,30 +4,35 @@ returned draft keeps (weight desc, depth, token, parent's position: parents firs
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psycopg
 import pytest
 from crest_client.draft import Draft
-from crest_client.errors import CodecError, ConnectionUnavailable
+from crest_client.errors import CodecError, ConnectionUnavailable, InvalidName, StoreNotFound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.protocol import Drafter, NoneDrafter
-from crest.drafters.registry import make_drafter
-from crest.drafters.store import StoreDrafter
+from crest.drafters.registry import NAMES, check_drafter, make_drafter, open_drafter
+from crest.drafters.store import PendingStore, StoreDrafter
 from crest.drafters.suffix_array import RestDrafter, RestIndex
 from crest.drafters.trie import (
     MERGE_SCALE,
     _as_rows,
     _large_draft,
+    _select,
     _small_draft,
+    _trie_nodes,
     build_draft,
+    match_path,
     merge_drafts,
     score_draft,
 )
@@ -294,33 +299,141 @@ def test_store_drafter_passes_trees_and_bugs_through() -> None:
         StoreDrafter(Fixed(error=ZeroDivisionError())).draft([1], 8)
 
 
-def test_make_drafter_builds_each_name(tmp_path: Path) -> None:
-    store = Fixed(build_draft([[4, 5]], tree_size=8, n=1))
+@pytest.fixture()
+def rest_dir(tmp_path: Path) -> Path:
+    """A saved REST index over two tiny documents."""
     index = RestIndex.build(np.array([1, 2, 3, 1, 2, 4], dtype=np.int32), np.array([0, 3, 6]))
     index.save(tmp_path / "rest")
-    assert isinstance(make_drafter("none"), NoneDrafter)
-    assert isinstance(make_drafter("prompt"), PromptDrafter)
-    assert isinstance(make_drafter("crest", store=store), StoreDrafter)
-    assert isinstance(make_drafter(" CREST+prompt", store=store), MergedDrafter)
-    assert isinstance(make_drafter("rest", rest_index=index), RestDrafter)
-    from_dir = make_drafter("rest", rest_index=str(tmp_path / "rest"))
-    assert isinstance(from_dir, RestDrafter)
-    for name in ("none", "prompt", "crest", "crest+prompt", "rest"):
-        drafter = make_drafter(name, store=store, rest_index=index)
-        assert drafter is not None and isinstance(drafter, Drafter)
+    return tmp_path / "rest"
+
+
+KINDS = {"none": NoneDrafter, "prompt": PromptDrafter, "rest": RestDrafter, "crest": StoreDrafter}
+KINDS["crest+prompt"] = MergedDrafter
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_make_drafter_builds_each_name(name: str, rest_dir: Path) -> None:
+    store = Fixed(build_draft([[4, 5]], tree_size=8, n=1))
+    for index in (RestIndex.load(rest_dir), str(rest_dir)):  # an open index or its directory
+        drafter = make_drafter(f" {name.upper()}", store=store, rest_index=index)
+        assert type(drafter) is KINDS[name] and isinstance(drafter, Drafter)
         check_invariants(drafter.draft([9, 1, 2, 9, 1], 8), 8)
-    got = from_dir.draft([0, 1, 2], 8)
-    assert got is not None and sorted(got.tokens.tolist()) == [3, 4]
+    if name == "rest":
+        got = make_drafter(name, rest_index=rest_dir).draft([0, 1, 2], 8)
+        assert got is not None and sorted(got.tokens.tolist()) == [3, 4]
 
 
 @pytest.mark.parametrize(
-    ("name", "parts"),
-    [("rest", {}), ("crest", {}), ("crest+prompt", {"rest_index": "x"}), ("nope", {}), ("", {})],
+    ("name", "parts", "message"),
+    [
+        ("rest", {}, "--drafter rest needs --rest-index DIR"),
+        ("crest", {"rest_index": "x"}, "--drafter crest needs --store NAME"),
+        ("crest+prompt", {}, "--drafter crest[+]prompt needs --store NAME"),
+        ("nope", {}, "unknown drafter 'nope': use one of none, prompt, rest, crest, crest[+]prompt"),
+        ("", {}, "unknown drafter ''"),
+    ],
     ids=["rest-no-index", "crest-no-store", "merged-no-store", "unknown", "empty"],
 )
-def test_make_drafter_refuses_missing_parts(name: str, parts: dict[str, object]) -> None:
-    with pytest.raises(ConfigError):
-        make_drafter(name, **parts)
+def test_the_registry_refuses_missing_parts(name: str, parts: dict[str, Any], message: str) -> None:
+    for call in (make_drafter, check_drafter, open_drafter):
+        with pytest.raises(ConfigError, match=message):
+            call(name, **parts)
+
+
+@pytest.mark.parametrize(
+    ("name", "parts", "error", "message"),
+    [
+        ("crest", {"store": "x; DROP TABLE crest_stores"}, InvalidName, "not a plain identifier"),
+        ("rest", {"rest_index": "/nonexistent/rest"}, ConfigError, "is not a REST index directory"),
+        ("rest", {"rest_index": "."}, ConfigError, "is not a REST index directory"),
+    ],
+    ids=["bad-store-name", "missing-index", "not-an-index"],
+)
+def test_check_drafter_refuses_bad_parts_without_opening_them(
+    name: str, parts: dict[str, str], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        check_drafter(name, **parts)
+
+
+def test_check_drafter_names_the_drafter(rest_dir: Path) -> None:
+    assert check_drafter(" Crest+Prompt", store="demo") == "crest+prompt"
+    assert check_drafter("rest", rest_index=rest_dir) == "rest"
+    assert check_drafter("none", store="ignored; not checked") == "none"
+
+
+@pytest.mark.parametrize("name", ["none", "prompt", "rest"])
+def test_open_drafter_opens_what_needs_no_database(name: str, rest_dir: Path) -> None:
+    drafter = open_drafter(name, rest_index=str(rest_dir))
+    assert type(drafter) is KINDS[name]
+
+
+def test_a_pending_store_tries_the_database_at_most_once_per_interval() -> None:
+    attempts: list[float] = []
+
+    def down() -> object:
+        attempts.append(time.monotonic())
+        raise ConnectionUnavailable("connection refused")
+
+    pending = PendingStore(down, name="demo", retry_interval=0.2)
+    drafter = StoreDrafter(pending)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert drafter.draft([1, 2], 8) is None
+        time.sleep(0.005)
+    assert 2 <= len(attempts) <= 6, attempts  # ~1 s at one try per 0.2 s, the first after one interval
+    assert all(b - a >= 0.2 for a, b in zip(attempts, attempts[1:], strict=False))
+
+
+def test_a_pending_store_stops_trying_when_the_database_refuses_the_store(caplog: pytest.LogCaptureFixture) -> None:
+    attempts = 0
+    answer: Exception = ConnectionUnavailable("connection refused")
+
+    def connect() -> object:
+        nonlocal attempts
+        attempts += 1
+        raise answer
+
+    pending = PendingStore(connect, name="demo", retry_interval=0.0)
+    answer = StoreNotFound("no published store named 'demo'")
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and attempts < 5:
+        assert pending.draft([1], 8) is None
+        time.sleep(0.01)
+    assert attempts == 1, "a store the database refused was tried again"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "cannot be used" in warnings[0] and "no published store" in warnings[0]
+
+
+TREE = Draft(  # the paths [5], [5, 7], [5, 8], [5, 7, 9], [6], [5, 7, 9, 1]
+    np.array([5, 6, 7, 8, 9, 1], dtype=np.int64),
+    np.array([-1, -1, 0, 0, 2, 4], dtype=np.int32),
+    np.array([9, 3, 6, 2, 5, 1], dtype=np.int64),
+)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "path"),
+    [([5, 7, 9, 1], [0, 2, 4, 5]), ([5, 8, 2], [0, 3]), ([6, 7], [1]), ([4], []), ([5, 7], [0, 2]), ([], [])],
+    ids=["whole-branch", "second-child", "other-root", "miss", "shorter-than-tree", "nothing-known"],
+)
+def test_match_path_follows_the_tokens(tokens: list[int], path: list[int]) -> None:
+    assert match_path(TREE, tokens) == path
+    assert score_draft(TREE, tokens)[0] == len(path)
+
+
+def test_match_path_takes_the_deepest_of_duplicate_children() -> None:
+    twins = Draft(np.array([5, 5, 7]), np.array([-1, -1, 1], dtype=np.int32), np.array([2, 2, 1]))
+    assert match_path(twins, [5, 7]) == [1, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(continuation_sets, st.integers(1, 80))
+def test_the_small_and_the_array_orders_agree(conts: list[list[int]], size: int) -> None:
+    small = _small_draft(_as_rows(conts), tree_size=size, n=1)
+    tokens, parents, weights, depth = _trie_nodes(_as_rows(conts), tree_size=len(conts) * 12 + 1)
+    large = _select(tokens, parents, weights, depth, tree_size=size, n=1)
+    assert small.paths() == large.paths() and small.weights.tolist() == large.weights.tolist()
 
 
 def test_score_draft_counts_the_path_the_target_took() -> None:

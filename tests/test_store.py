@@ -1,17 +1,25 @@
-"""The SDK against a real PostgreSQL: longest-suffix lookup, cache, versions, fingerprints, corrupt rows."""
+"""The SDK against a real PostgreSQL: longest-suffix lookup, cache, versions, fingerprints, corrupt rows, and
+opening a store while the database is down (a closed port in front of the real server, opened later)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import psycopg
 import pytest
-from crest_client import FingerprintMismatch, InvalidName, Store, StoreNotFound
+from crest_client import ConnectionUnavailable, FingerprintMismatch, InvalidName, Store, StoreNotFound
 from crest_client.codec import TokenTable, encode_tree, token_width
 from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
+from crest.drafters.registry import open_drafter
 
 VOCAB = 1000
 
@@ -271,3 +279,129 @@ def test_connect_reads_large_store_data_beyond_the_lookup_timeout(db_dsn: str) -
     # a 1 ms lookup timeout must not apply to reading the version's data once
     with Store.connect(db_dsn, "demo", timeout=0.001) as store:
         assert store.info.key_filter is not None and len(store.info.key_filter) == len(big)
+
+
+# --- a database that is down when a store is opened -----------------------------------------------------------
+
+
+class Gate:
+    """A TCP port in front of the real test server: refuses connections until opened, then forwards them."""
+
+    def __init__(self, upstream: str) -> None:
+        info = psycopg.conninfo.conninfo_to_dict(upstream)
+        host, port = str(info.get("host") or "/tmp"), int(info.get("port") or 5432)
+        self.upstream: Any = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))  # bound but not listening: a connection is refused at once
+        info |= {"host": "127.0.0.1", "port": self.listener.getsockname()[1]}
+        self.dsn = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+        self.sockets: list[socket.socket] = []
+
+    def open(self) -> None:
+        """Accept connections from now on and forward each one to the server."""
+        self.listener.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        """Cut every forwarded connection and refuse new ones."""
+        for sock in (self.listener, *self.sockets):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            family = socket.AF_UNIX if isinstance(self.upstream, str) else socket.AF_INET
+            server = socket.socket(family)
+            server.connect(self.upstream)
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+
+@pytest.fixture()
+def gate(db_dsn: str) -> Iterator[Gate]:
+    """A closed door to a database holding the published store `demo`."""
+    publish(db_dsn, "demo", ROWS)
+    door = Gate(db_dsn)
+    yield door
+    door.close()
+
+
+def test_connect_to_a_down_database_fails_at_once_with_the_reason(gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionUnavailable, match="refused") as failure:
+        Store.connect(gate.dsn, "demo", connect_timeout=10.0)
+    assert time.monotonic() - t0 < 1.0, "a refused connection waited for the connect timeout"
+    assert "\n" not in str(failure.value)
+    assert not [r for r in caplog.records if r.name.startswith("psycopg")], "the pool's retry lines got out"
+
+
+@pytest.mark.parametrize("name", ["crest", "crest+prompt"])
+def test_store_drafter_opened_while_the_database_is_down_drafts_once_it_is_back(
+    gate: Gate, db_dsn: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Store.connect(db_dsn, "demo", timeout=2.0) as direct:
+        want = direct.draft([3, 4, 5], max_nodes=8)
+    assert want is not None
+    caplog.set_level(logging.INFO)
+    t0 = time.monotonic()
+    drafter = open_drafter(name, store="demo", dsn=gate.dsn, fingerprint="fp-a", retry_interval=0.05)
+    assert time.monotonic() - t0 < 1.0, "opening with the database down delayed generation"
+    for _ in range(20):  # a step never waits for the database
+        t0 = time.monotonic()
+        assert drafter.draft([3, 4, 5], 8) is None
+        assert time.monotonic() - t0 < 0.1
+        time.sleep(0.01)
+    gate.open()
+    deadline = time.monotonic() + 20.0
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = drafter.draft([3, 4, 5], 8)
+        time.sleep(0.02)
+    assert got is not None, "the drafter did not use the store once the database was back"
+    assert set(want.tokens.tolist()) <= set(got.tokens.tolist())
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert not [r for r in caplog.records if r.name.startswith("psycopg")], "the pool's retry lines got out"
+
+
+@pytest.mark.parametrize(
+    ("store", "fingerprint", "error"),
+    [("nope", "fp-a", StoreNotFound), ("demo", "fp-other", FingerprintMismatch)],
+    ids=["missing-store", "other-tokenizer"],
+)
+def test_store_drafter_refuses_a_wrong_store_when_the_database_answers(
+    db_dsn: str, store: str, fingerprint: str, error: type[Exception]
+) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with pytest.raises(error):
+        open_drafter("crest", store=store, dsn=db_dsn, fingerprint=fingerprint)
+
+
+def test_a_database_lost_mid_run_is_one_warning_line_and_no_pool_lines(
+    gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate.open()
+    with Store.connect(gate.dsn, "demo", cache_size=0, timeout=0.5) as handle:
+        assert handle.draft([3, 4, 5]) is not None
+        gate.close()  # every connection cut, new ones refused
+        assert all(handle.draft([3, 4, 5]) is None for _ in range(5))
+        assert handle.stats["errors"] > 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert not [r for r in caplog.records if r.name.startswith("psycopg")], "the pool's lines got out"

@@ -20,7 +20,7 @@ import struct
 import lz4.block
 import numpy as np
 
-from crest_client.draft import Draft
+from crest_client.draft import Draft, empty_draft
 from crest_client.errors import CodecError
 
 VERSION = 2
@@ -243,7 +243,7 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
     if count == 0:
         if pos != len(data) or step_bits:
             raise CodecError("tree blob of an empty tree has trailing bytes")
-        return Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), n)
+        return empty_draft(n)
     if count > MAX_NODES or 7 * count > 8 * (len(data) - pos) + 2:  # >= 2 class, 4 token, 1 chain bits a node
         raise CodecError(f"tree blob claims {count} nodes, more than its {len(data)} bytes can hold")
     first, pos = (data[pos], pos + 1) if data[pos] < 0x80 else _read_varint(data, pos)

@@ -70,6 +70,24 @@ class Draft:
             raise ValueError("a draft node has a negative parent other than -1")
 
 
+def path_probabilities(draft: Draft) -> np.ndarray:
+    """Return each node's estimated probability of being accepted: weight / parent-weight products, at most 1.
+
+    A root child's share is its weight over `draft.total` when that is set and larger than the root children's sum.
+    """
+    weights = np.maximum(draft.weights.astype(np.float64), 0.0)  # [T]
+    roots = draft.parents < 0
+    total = max(float(weights[roots].sum()), float(draft.total)) or 1.0
+    prob = np.zeros(len(draft), dtype=np.float64)  # [T]
+    parents = draft.parents.tolist()
+    for i, p in enumerate(parents):
+        if p < 0:
+            prob[i] = weights[i] / total
+        else:
+            prob[i] = prob[p] * (min(1.0, weights[i] / weights[p]) if weights[p] > 0 else 0.0)
+    return prob
+
+
 def empty_draft(n: int = 0) -> Draft:
     """Return a draft with no nodes."""
     return Draft(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), n)

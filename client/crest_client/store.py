@@ -16,8 +16,7 @@ on.
 from __future__ import annotations
 
 import logging
-import os
-import re
+import math
 import select
 import threading
 import time
@@ -39,14 +38,14 @@ from crest_client.errors import (
     CodecError,
     ConnectionUnavailable,
     FingerprintMismatch,
-    InvalidName,
     StoreNotFound,
 )
-from crest_client.keyfilter import MUL, SEED, KeyFilter
+from crest_client.keyfilter import KeyFilter, suffix_hashes
+from crest_client.names import check_store_name, resolve_dsn
 
 log = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+POOL_PREFIX = "crest-client-"  # the names of the SDK's pools, whose failures `Store` reports itself, once
 
 DATA_SQL = "SELECT token_table, key_filter FROM crest_store_data WHERE store_id = %s"
 INFO_SQL = (
@@ -122,13 +121,13 @@ class Store:
         connect_timeout: float = 10.0,
     ) -> Store:
         """Connect to the published store `name` (DSN: argument, else CREST_DATABASE_URL, else embedded)."""
-        if not _NAME_RE.match(name or ""):
-            raise InvalidName(f"store name {name!r} is not a plain identifier")
-        dsn = dsn or os.environ.get("CREST_DATABASE_URL")
-        if not dsn:
-            from crest_client.embedded import embedded_dsn
-
-            dsn = embedded_dsn()
+        check_store_name(name)
+        dsn = resolve_dsn(dsn)
+        try:  # one plain attempt first: a down database fails at once, with its reason, and no pool retries
+            psycopg.connect(dsn, connect_timeout=max(2, math.ceil(connect_timeout))).close()
+        except psycopg.Error as exc:
+            reason = " ".join(str(exc).split())
+            raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}: {reason}") from None
         timeout_ms = max(1, int(timeout * 1000))
 
         def configure(conn: psycopg.Connection[Any]) -> None:
@@ -144,7 +143,7 @@ class Store:
             kwargs={"autocommit": True, "prepare_threshold": 0, "application_name": "crest-client"},
             timeout=connect_timeout,
             reconnect_timeout=0,
-            name=f"crest-{name}",
+            name=f"{POOL_PREFIX}{name}",
         )
         try:
             pool.open(wait=True, timeout=connect_timeout)
@@ -183,23 +182,12 @@ class Store:
 
     def candidate_keys(self, tail: Sequence[int]) -> list[bytes]:
         """Return the keys of the tail's suffixes that may be stored (all, without a filter), longest first."""
-        info = self.info
-        tail = tail[-info.max_n :]
-        found = info.key_filter
-        if found is None:
-            return [k for k in self.keys(tail) if k is not None]
-        w, vocab = info.token_width, info.vocab_size
-        raw, h, out = b"", SEED, []
-        for token in reversed(tail):  # one pass: keyfilter.suffix_hashes' hash and the key of each longer suffix
-            if token < 0 or token >= vocab:
-                return []
-            raw = token.to_bytes(w, "big") + raw
-            h = ((h ^ token) * MUL) & _M64
-            h ^= h >> 31
-            if h in found:
-                out.append(raw)
-        out.reverse()
-        return out
+        found = self.info.key_filter
+        keys = self.keys(tail)  # longest first; [] when a token is outside the vocabulary
+        if found is None or not keys:
+            return [k for k in keys if k is not None]
+        hashes = suffix_hashes(tail[-self.info.max_n :])  # item k - 1 hashes the last k tokens
+        return [key for key in keys if key is not None and hashes[len(key) // self.info.token_width - 1] in found]
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
         """Return the tree of the longest stored suffix of the context, or None."""
@@ -448,7 +436,7 @@ class Store:
             if self._published_id() == self.info.id:  # the usual case, bounded even if the server stalls
                 return True
         except (psycopg.Error, PoolTimeout) as exc:
-            self._warn_once("switch", f"store {self.name!r} could not be re-read: {exc}")
+            self._note_failure(exc)
             return False
         try:
             # a new version's data is read once; give it more than a lookup's timeout
@@ -466,18 +454,18 @@ class Store:
         return True
 
     def _note_failure(self, exc: BaseException) -> None:
+        """Count a failure of the database; the first one is logged (one line for the handle's life)."""
         self.stats["errors"] += 1
-        self._warn_once(type(exc).__name__, f"store {self.name!r} lookup failed (no draft this step): {exc}")
+        self._warn_once("database", f"store {self.name!r} lookup failed, no drafts while it fails: {exc}")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            log.warning(message)
+            log.warning(" ".join(message.split()))  # one line: libpq's messages span several
 
 
 _BYTEA = 17  # type oid
 _PUBLISHED_SQL = b"SELECT id FROM crest_stores WHERE name = $1 AND state = 'published'"
-_M64 = (1 << 64) - 1
 _MISSING: Any = object()
 
 
@@ -559,3 +547,24 @@ def _read_data(
         return table, KeyFilter.from_bytes(row[1]) if row[1] is not None else None
     except CodecError as exc:
         raise CodecError(f"store {name!r} has a corrupt token table or key filter: {exc}") from None
+
+
+class _OwnPoolRecords(logging.Filter):
+    """Drops psycopg_pool's records about the SDK's pools: `Store` reports their failures itself, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(_is_own_pool(arg) for arg in args)
+
+
+def _is_own_pool(value: object) -> bool:
+    """Return whether `value` is one of the SDK's pools, its name, or a connection or task of one."""
+    if isinstance(value, str):
+        return value.startswith(POOL_PREFIX)
+    pool = getattr(value, "_pool", None) or getattr(value, "pool", None) or value  # a connection, a task, a pool
+    if isinstance(pool, weakref.ref):
+        pool = pool()
+    return str(getattr(pool, "name", "")).startswith(POOL_PREFIX)
+
+
+logging.getLogger("psycopg.pool").addFilter(_OwnPoolRecords())

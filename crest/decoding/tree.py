@@ -24,13 +24,12 @@ def tree_layout(draft: Draft) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def tree_mask(parent_slot: np.ndarray) -> np.ndarray:
-    """Return the [T+1, T+1] bool mask of root + nodes: each sees itself and its ancestors."""
-    size = parent_slot.shape[0] + 1
-    mask = np.zeros((size, size), dtype=bool)  # [T+1, T+1]
+    """Return the [T+1, T+1] bool mask of root + nodes: each sees the root, itself and its ancestors."""
+    size = parent_slot.shape[0]
+    laid_out = Draft(np.zeros(size, np.int64), (parent_slot - 1).astype(np.int32), np.zeros(size, np.int64))
+    mask = np.zeros((size + 1, size + 1), dtype=bool)  # [T+1, T+1]
     mask[:, 0] = True
-    for i, p in enumerate(parent_slot.tolist(), start=1):
-        mask[i] = mask[p]
-        mask[i, i] = True
+    mask[1:, 1:] = laid_out.ancestor_mask()  # the draft's own rule, on the nodes in layout order
     return mask
 
 

@@ -3,23 +3,27 @@
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.protocol import Drafter, NoneDrafter
-from crest.drafters.registry import NAMES, make_drafter, open_drafter
-from crest.drafters.store import StoreDrafter
+from crest.drafters.registry import NAMES, check_drafter, make_drafter, open_drafter
+from crest.drafters.store import PendingStore, StoreDrafter, open_store
 from crest.drafters.suffix_array import RestDrafter, RestIndex
-from crest.drafters.trie import build_draft, merge_drafts, score_draft
+from crest.drafters.trie import build_draft, match_path, merge_drafts, score_draft
 
 __all__ = [
     "NAMES",
     "Drafter",
     "MergedDrafter",
     "NoneDrafter",
+    "PendingStore",
     "PromptDrafter",
     "RestDrafter",
     "RestIndex",
     "StoreDrafter",
     "build_draft",
+    "check_drafter",
     "make_drafter",
+    "match_path",
     "merge_drafts",
     "open_drafter",
+    "open_store",
     "score_draft",
 ]

@@ -1,17 +1,25 @@
-"""The crest drafter: trees from a crest store through the SDK (`crest_client.Store`).
+"""The crest drafter: trees from a crest store through the SDK (`crest_client.Store`), and how a store is opened.
 
 A store or database error costs that step's draft only: it is logged once and the step is verified without a
-draft, so generation goes on with the same output.
+draft, so generation goes on with the same output. The same holds when the database is down as generation
+starts: `open_store` then says once that the store is unreachable and hands back a `PendingStore`, which
+drafts nothing, tries to connect again in the background now and then (a step never waits for it), and drafts
+from the store once the database answers. A database that answers but has no such store, or a store built
+with another tokenizer, is an error at once.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
 from crest_client.draft import Draft
+from crest_client.errors import ConnectionUnavailable
+from crest_client.names import check_store_name, resolve_dsn
 
 from crest.errors import CrestClientError
 
@@ -19,6 +27,10 @@ log = logging.getLogger(__name__)
 
 
 _STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # OSError covers socket errors and TimeoutError
+
+CONNECT_TIMEOUT = 1.5  # seconds an attempt to reach the database may take, at start and on each retry
+
+RETRY_INTERVAL = 5.0  # seconds between attempts to reach a database that was down
 
 
 class StoreDrafter:
@@ -40,3 +52,101 @@ class StoreDrafter:
         if tree is None or len(tree) == 0 or max_nodes <= 0:
             return None
         return tree.truncate(max_nodes)
+
+
+class PendingStore:
+    """A store whose database did not answer yet: drafts nothing and connects in the background, now and then.
+
+    `connect` opens the store (a `crest_client.Store`); it is retried at most every `retry_interval` seconds,
+    from a background thread started by `draft`, so no step waits for it. Once it succeeds, `draft` and
+    `draft_many` ask the store. When the database answers but refuses the store (dropped, or rebuilt with
+    another tokenizer), that is logged once and the store is not tried again.
+    """
+
+    def __init__(self, connect: Callable[[], Any], *, name: str, retry_interval: float = RETRY_INTERVAL) -> None:
+        self.name = name
+        self.store: Any = None  # the connected Store, once the database answered
+        self._connect = connect
+        self._retry_interval = float(retry_interval)
+        self._next_try = time.monotonic() + self._retry_interval
+        self._trying: threading.Thread | None = None
+        self._refused = False
+        self._closed = False
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int = 64) -> Draft | None:
+        """Return the store's draft once connected, else None (and start a connection attempt when one is due)."""
+        store = self.store
+        if store is not None:
+            result: Draft | None = store.draft(context_ids, max_nodes=max_nodes)
+            return result
+        self._retry_when_due()
+        return None
+
+    def draft_many(self, contexts: Sequence[Sequence[int]], max_nodes: int = 64) -> list[Draft | None]:
+        """Return the store's drafts for many contexts in one round trip once connected, else Nones."""
+        store = self.store
+        if store is not None:
+            return list(store.draft_many(contexts, max_nodes=max_nodes))
+        self._retry_when_due()
+        return [None] * len(contexts)
+
+    def close(self) -> None:
+        """Close the store when it was connected; stop trying otherwise."""
+        self._closed = True
+        if self.store is not None:
+            self.store.close()
+
+    def _retry_when_due(self) -> None:
+        if not self._refused and self._trying is None and time.monotonic() >= self._next_try:
+            self._trying = threading.Thread(target=self._try, name=f"crest-connect-{self.name}", daemon=True)
+            self._trying.start()
+
+    def _try(self) -> None:
+        store = None
+        try:
+            store = self._connect()
+        except CrestClientError as exc:
+            if not isinstance(exc, ConnectionUnavailable):  # still down says nothing: that was said once
+                self._refused = True
+                log.warning("the database is back but store %r cannot be used (%s): no store drafts", self.name, exc)
+        except Exception as exc:  # an unforeseen failure to connect is one more miss, never a crash
+            log.debug("connecting to store %r failed: %s", self.name, exc)
+        if store is not None and self._closed:
+            store.close()
+        elif store is not None:
+            log.info("store %r is reachable again: drafting from it", self.name)
+            self.store = store
+        self._next_try = time.monotonic() + self._retry_interval
+        self._trying = None
+
+
+def open_store(
+    name: str,
+    *,
+    dsn: str | None = None,
+    fingerprint: str | None = None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    retry_interval: float = RETRY_INTERVAL,
+) -> Any:
+    """Return the published store `name` (a `crest_client.Store`), or a `PendingStore` while the database is down.
+
+    Raises StoreNotFound or FingerprintMismatch when the database answers but the store is missing or was built
+    with another tokenizer, and InvalidName for a name that is not an identifier.
+    """
+    from crest_client import Store
+
+    check_store_name(name)
+
+    def connect() -> Any:
+        return Store.connect(resolve_dsn(dsn), name, tokenizer_fingerprint=fingerprint, connect_timeout=connect_timeout)
+
+    try:
+        return connect()
+    except ConnectionUnavailable as exc:
+        log.warning(
+            "store %r is unreachable, generating without store drafts (retrying every %g s): %s",
+            name,
+            retry_interval,
+            exc,
+        )
+        return PendingStore(connect, name=name, retry_interval=retry_interval)

@@ -24,6 +24,7 @@ import tempfile
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from crest_client.draft import Draft
@@ -147,10 +148,8 @@ class RestIndex:
     def load(cls, path: Path | str) -> RestIndex:
         """Open an index written by `save`, memory-mapping its token and suffix arrays."""
         src = Path(path)
+        meta = check_rest_index(src)
         try:
-            meta = json.loads((src / "meta.json").read_text())
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"unknown format {meta.get('format')!r}")
             tokens = np.load(src / "tokens.npy", mmap_mode="r")
             sa = np.load(src / "sa.npy", mmap_mode="r")
             offsets = np.load(src / "doc_offsets.npy")
@@ -159,7 +158,7 @@ class RestIndex:
                 raise ValueError("its arrays disagree in length")
             return cls(tokens, offsets, sa, heads, max_suffix=int(meta["max_suffix"]))
         except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ConfigError(f"{str(src)!r} is not a REST index directory ({', '.join(_FILES)}): {exc}") from None
+            raise _not_an_index(src, exc) from None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -253,6 +252,22 @@ class RestIndex:
         return np.where(at < ends[:, None], tokens, -1).astype(np.int64)
 
 
+def check_rest_index(path: Path | str) -> dict[str, Any]:
+    """Return the metadata of the REST index in directory `path`, or raise ConfigError when it holds none."""
+    src = Path(path)
+    try:
+        meta = json.loads((src / "meta.json").read_text())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
+        return meta
+    except (OSError, ValueError) as exc:
+        raise _not_an_index(src, exc) from None
+
+
+def _not_an_index(src: Path, exc: Exception) -> ConfigError:
+    return ConfigError(f"{str(src)!r} is not a REST index directory ({', '.join(_FILES)}): {exc}")
+
+
 class RestDrafter:
     """REST's drafting: longest context suffix (16 down to 2), up to 5000 matches, continuations of 10."""
 
@@ -294,7 +309,6 @@ class RestDrafter:
 
 def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: str) -> tuple[int, int]:
     """Tokenize a corpus and write its REST index to `out`; return (bytes, tokens)."""
-    from crest.drafters.suffix_array import RestIndex
     from crest.ingest.corpus import CorpusReport, iter_documents
     from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
 

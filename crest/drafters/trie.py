@@ -1,9 +1,11 @@
 """Token tries of continuations, in the canonical node order every drafter returns.
 
 `build_draft` builds the weighted trie of a set of continuations (REST's Algorithm 2) and keeps its heaviest
-nodes in the order weight descending, then depth, then token id, then the parent's position, so parents precede
-children and any prefix is the best subtree of its size. `merge_drafts` merges several trees into one in the
-same order, and `score_draft` walks a draft along known tokens (what greedy verification would accept).
+nodes in the canonical order of `crest_client.order` (weight descending, then depth, then token id, then the
+parent's position), the order stored trees use too, so parents precede children and any prefix is the best
+subtree of its size. `merge_drafts` merges several trees into one in the same order. `match_path` walks a
+draft along known tokens (what greedy verification accepts): the replay benchmark and the merged drafter's
+scoring (`score_draft`) both use it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
-from crest_client.draft import Draft, empty_draft
+from crest_client.draft import Draft, empty_draft, path_probabilities
+from crest_client.order import best_first, order_small, rank_level
 
 MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
 
@@ -64,20 +67,8 @@ def _large_draft(rows: np.ndarray, *, tree_size: int, n: int) -> Draft:
 
 
 def _order(tokens: list[int], parents: list[int], weights: list[int], *, tree_size: int, n: int) -> Draft:
-    """Order a small tree (parents first) by (weight desc, depth, token, parent's position) and cut it."""
-    depth: list[int] = []
-    for up in parents:
-        depth.append(depth[up] + 1 if up >= 0 else 1)
-    rank = [0] * len(tokens)
-    levels: dict[int, list[int]] = {}
-    for i, d in enumerate(depth):
-        levels.setdefault(d, []).append(i)
-    for d in sorted(levels):  # rank within a level by (weight desc, token, parent's rank)
-        level = levels[d]
-        level.sort(key=lambda i: (-weights[i], tokens[i], rank[parents[i]] if parents[i] >= 0 else -1))
-        for r, i in enumerate(level):
-            rank[i] = r
-    order = sorted(range(len(tokens)), key=lambda i: (-weights[i], depth[i], rank[i]))[:tree_size]
+    """Put a small tree built in Python lists (parents first) in the canonical order and cut it."""
+    order = order_small(tokens, parents, weights)[:tree_size]
     position = {i: k for k, i in enumerate(order)}
     return Draft(
         np.array([tokens[i] for i in order], dtype=np.int64),
@@ -177,27 +168,20 @@ def _trie_nodes(rows: np.ndarray, *, tree_size: int) -> tuple[np.ndarray, np.nda
 def _select(
     tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, depth: np.ndarray, *, tree_size: int, n: int
 ) -> Draft:
-    """Keep the `tree_size` first nodes in the order (weight desc, depth, token, parent's position)."""
+    """Keep the `tree_size` first nodes in the canonical order (`crest_client.order`), parents renumbered."""
     size = tokens.shape[0]
     if size == 0 or tree_size <= 0:
         return empty_draft(n)
     keep = np.arange(size)
-    if size > tree_size:  # a cheap cut on (weight desc, depth) before the exact order
+    if size > tree_size:  # a cheap cut on (weight desc, depth); a kept node's parent is kept too
         coarse = -weights * (int(depth.max()) + 1) + depth
         keep = np.flatnonzero(coarse <= np.partition(coarse, tree_size - 1)[tree_size - 1])
-    by = (tokens[keep], depth[keep], -weights[keep])
-    order = keep[np.lexsort(by)]
-    same = [np.diff(a[order]) == 0 for a in (weights, depth, tokens)]
-    if (same[0] & same[1] & same[2]).any():  # equal tokens under different parents: order by the parents
-        position = np.zeros(size, dtype=np.int64)
-        for _ in range(int(depth[keep].max())):  # depth d is settled after d rounds; usually one suffices
-            position[order] = np.arange(order.shape[0])
-            parent_position = np.where(parents[keep] >= 0, position[np.maximum(parents[keep], 0)], -1)
-            again = keep[np.lexsort((parent_position, *by))]
-            if np.array_equal(again, order):
-                break
-            order = again
-    order = order[:tree_size]
+    rank = np.zeros(size, dtype=np.int64)  # each kept node's rank within its level
+    for d in range(1, int(depth[keep].max()) + 1):  # a level's order needs its parents' ranks
+        at = keep[depth[keep] == d]
+        up = parents[at]
+        rank[at] = rank_level(weights[at], tokens[at], np.where(up >= 0, rank[np.maximum(up, 0)], 0))[2]
+    order = keep[best_first(weights[keep], depth[keep], rank[keep])][:tree_size]
     position = np.full(size, -1, dtype=np.int64)
     position[order] = np.arange(order.shape[0])
     new_parents = np.where(parents[order] >= 0, position[np.maximum(parents[order], 0)], -1)
@@ -243,18 +227,28 @@ def merge_drafts(
     return replace(_order(tokens, parents, weights, tree_size=tree_size, n=n), total=MERGE_SCALE)
 
 
+def match_path(draft: Draft, tokens: Sequence[int]) -> list[int]:
+    """Return the nodes of the deepest draft path spelling a prefix of `tokens`, root child first.
+
+    This is what greedy verification accepts when the target's next tokens are `tokens`.
+    """
+    parents, ids, known = draft.parents.tolist(), draft.tokens.tolist(), len(tokens)
+    depth = [0] * len(ids)
+    ok = [False] * len(ids)
+    best = -1
+    for i, (token, up) in enumerate(zip(ids, parents, strict=True)):  # parents precede children
+        depth[i] = depth[up] + 1 if up >= 0 else 1
+        ok[i] = (up < 0 or ok[up]) and depth[i] <= known and token == tokens[depth[i] - 1]
+        if ok[i] and (best < 0 or depth[i] > depth[best]):
+            best = i
+    path = []
+    while best >= 0:
+        path.append(best)
+        best = parents[best]
+    return path[::-1]
+
+
 def score_draft(draft: Draft, tokens: Sequence[int]) -> tuple[int, float]:
     """Return (nodes on the path spelled by `tokens`, predicted accepted nodes at depths <= len(tokens))."""
-    from crest.decoding.sizing import path_probabilities
-
-    depth = draft.depths()
-    predicted = float(path_probabilities(draft)[depth <= len(tokens)].sum())
-    pairs = zip(draft.parents.tolist(), draft.tokens.tolist(), strict=True)
-    child = {pair: i for i, pair in enumerate(pairs)}  # (parent, token) -> node
-    right, at = 0, -1
-    for token in tokens:
-        at = child.get((at, token), -2)
-        if at < 0:
-            break
-        right += 1
-    return right, predicted
+    predicted = float(path_probabilities(draft)[draft.depths() <= len(tokens)].sum())
+    return len(match_path(draft, tokens)), predicted

@@ -129,6 +129,18 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
             raise CorpusError(f"{str(path)!r} line {number} is not valid JSON: {exc.msg}") from None
 
 
+def iter_json_array(
+    path: str | os.PathLike[str],
+    *,
+    report: CorpusReport | None = None,
+    max_record_bytes: int = 256 << 20,
+    read_bytes: int = 1 << 20,
+) -> Iterator[Any]:
+    """Yield the records of a top-level JSON array file one at a time (a ShareGPT file), in bounded memory."""
+    sizes = _Sizes(piece=read_bytes, record=max_record_bytes, read=read_bytes)
+    yield from _ArrayParser(Path(path), report if report is not None else CorpusReport(), sizes)
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Return the format `auto` picks for one input: files, jsonl or sharegpt."""
     spec = os.fspath(path)

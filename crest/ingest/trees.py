@@ -9,13 +9,12 @@ document end) and build the trie level by level: the nodes of depth d are the di
 of the continuations still alive, found by one integer sort, and a node's weight is the number of
 continuations through it. A continuation stops once its node weighs no more than a lower bound of its tree's
 `tree_size`-th heaviest weight: every deeper node would rank after all nodes made so far, so pruning is
-exact. The `tree_size` nodes kept are the first by (weight desc, depth asc, token asc, parent's position asc);
-a parent weighs at least as much as its child and is shallower, so it comes first, weights never increase, and
-every prefix of the list is the heaviest subtree of that size. They are stored in that order except that each
-chain of equal-weight nodes (a node and its child of the same weight, and so on) is made contiguous at its
-head's place, which keeps all three properties and lets the codec store most parents in one bit. Selected
-n-grams are processed in groups (one scan each) and the tries in batches, so memory follows
-`scan_occurrences` and `batch_occurrences`, not the corpus.
+exact. The `tree_size` nodes kept are the first in the canonical order every drafter uses
+(`crest_client.order`: weight desc, depth asc, token asc, parent's position asc), so weights never increase
+and every prefix is the heaviest subtree of its size; they are stored in that order refined by `chain_order`
+(equal-weight chains made contiguous), which keeps those properties and lets the codec store most parents
+in one bit. Selected n-grams are processed in groups (one scan each) and the tries in batches, so memory
+follows `scan_occurrences` and `batch_occurrences`, not the corpus.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from crest_client.draft import Draft
+from crest_client.order import best_first, chain_order, lex_order, rank_level
 
 from crest.errors import ConfigError
 from crest.ingest.ngrams import check_offsets, iter_chunks, run_starts, window_keys
@@ -71,27 +71,6 @@ def position_hash(positions: np.ndarray, seed: int) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * _MIX1
         z = (z ^ (z >> np.uint64(27))) * _MIX2
         return z ^ (z >> np.uint64(31))
-
-
-def lex_order(columns: list[np.ndarray]) -> np.ndarray:
-    """Return the permutation sorting rows by non-negative int columns (first most significant), ties by row."""
-    size = int(columns[0].shape[0])
-    if size == 0:
-        return np.zeros(0, dtype=np.int64)
-    widths = [int(col.max()).bit_length() for col in columns]
-    index_bits = (size - 1).bit_length()
-    if sum(widths) > 64:
-        return np.lexsort(columns[::-1])
-    key = np.zeros(size, dtype=np.uint64)
-    for col, bits in zip(columns, widths, strict=True):
-        key <<= np.uint64(bits)
-        key |= col.astype(np.uint64)
-    if sum(widths) + index_bits > 64:
-        return np.argsort(key, kind="stable")
-    key <<= np.uint64(index_bits)
-    key |= np.arange(size, dtype=np.uint64)
-    key.sort(kind="stable")  # a value sort with the row in low bits; timsort runs make presorted input fast
-    return (key & np.uint64((1 << index_bits) - 1)).astype(np.int64)
 
 
 def _first_per_group(groups: np.ndarray, limit: int) -> np.ndarray:
@@ -397,11 +376,7 @@ def _trie_batch(
         ids = np.cumsum(is_first) - 1  # [A] node of each continuation
         parent = node[first]
         owner = prev_tree[parent]
-        heaviest = int(weight.max())
-        order = lex_order([owner, heaviest - weight, tok[first], prev_rank[parent]])  # [U] level in output order
-        slot = np.empty(first.shape[0], dtype=np.int64)  # [U] position of each new node in `order`
-        slot[order] = np.arange(first.shape[0])
-        rank = slot - np.searchsorted(owner[order], owner)  # [U] rank within its tree and level
+        order, slot, rank = rank_level(weight, tok[first], prev_rank[parent], owner=owner)  # the canonical order
         global_parent = prev_slot[parent] + prev_base if depth > 1 else np.full(first.shape[0], -1, dtype=np.int64)
         # stored in output order, so each level is one sorted run for the final merge
         columns = (owner, global_parent, tok[first], weight, np.full(first.shape[0], depth), rank)
@@ -438,9 +413,8 @@ def _keep_best(
         )
     owner, parent, token, weight, depth, rank = (np.concatenate(col) for col in zip(*levels, strict=True))
     cand = np.flatnonzero(weight >= floor[owner])
-    heaviest = int(weight.max())
-    order = cand[lex_order([owner[cand], heaviest - weight[cand], depth[cand], rank[cand]])]  # merges runs
-    keep = _chain_order(order[_first_per_group(owner[order], size)], parent, weight, depth)
+    order = cand[best_first(weight[cand], depth[cand], rank[cand], owner=owner[cand])]  # merges sorted runs
+    keep = chain_order(order[_first_per_group(owner[order], size)], parent, weight, depth)
     offsets = np.zeros(trees + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner[keep], minlength=trees), out=offsets[1:])
     local = np.full(owner.shape[0], -1, dtype=np.int64)
@@ -456,22 +430,3 @@ def _keep_best(
         occurrences=occurrences.astype(np.int64),
         matches=matches,
     )
-
-
-def _chain_order(keep: np.ndarray, parent: np.ndarray, weight: np.ndarray, depth: np.ndarray) -> np.ndarray:
-    """Reorder kept nodes so each equal-weight chain (a node, then its child of the same weight...) is contiguous.
-
-    A node has at most one child of its own weight, so the nodes of one weight form disjoint chains; each chain
-    moves to its head's place, so parents still come first, weights still never increase and every prefix
-    still weighs the most a subtree of its size can: the codec then stores most parents as "the previous node".
-    """
-    pos = np.full(parent.shape[0], -1, dtype=np.int64)
-    pos[keep] = np.arange(keep.shape[0])
-    up = parent[keep]  # [K] global index of each kept node's parent, -1 = root
-    head = np.where((up < 0) | (weight[np.maximum(up, 0)] != weight[keep]), np.arange(keep.shape[0]), pos[up])
-    while True:  # pointer jumping: chains are at most `continuation_length` long
-        nxt = head[head]
-        if np.array_equal(nxt, head):
-            break
-        head = nxt
-    return keep[np.lexsort((depth[keep], head))]

@@ -1,5 +1,6 @@
-"""The REST baseline: suffix sorting against Python's sort, drafting against a brute-force REST over the
-documents (longest suffix, in-document continuations, the trie), sampling, save/load and sizes."""
+"""The REST baseline (`crest.drafters.suffix_array`): suffix sorting against Python's sort, drafting against a
+brute-force REST over the documents (longest suffix, in-document continuations, the trie), sampling, save/load,
+the cheap check of an index directory, and sizes."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from crest.drafters.suffix_array import RestDrafter, RestIndex, sort_suffixes
+from crest.drafters.suffix_array import RestDrafter, RestIndex, check_rest_index, sort_suffixes
 from crest.errors import ConfigError, CorpusError
-from tests.fix_corpora import corpora, flatten
+from tests.fix_corpus import corpora, flatten
 from tests.test_drafters import check_invariants, reference_tree, same
 
 
@@ -161,9 +162,14 @@ def test_rest_empty_corpus_and_bad_inputs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         RestIndex.load(tmp_path)  # not an index directory
     RestIndex.build(np.array([1, 2, 3]), np.array([0, 3])).save(tmp_path / "ix")
+    assert check_rest_index(tmp_path / "ix")["tokens"] == 3
     (tmp_path / "ix" / "sa.npy").write_bytes(b"garbage")
     with pytest.raises(ConfigError):
         RestIndex.load(tmp_path / "ix")
+    for meta in ('{"format": 999}', "[1]", "not json"):
+        (tmp_path / "ix" / "meta.json").write_text(meta)
+        with pytest.raises(ConfigError, match="is not a REST index directory"):
+            check_rest_index(tmp_path / "ix")
 
 
 DOCS = [
