@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from crest import db
+from crest.config import IngestOptions
+from crest.ingest.pipeline import ingest
 
 # the store issue's targets for a full ShareGPT ingest on the 2-core machine
 INGEST_TARGETS = {"seconds": 300.0, "peak_rss_bytes": 8 * 1024**3, "bytes_per_ngram": 200.0}
+
+
+def bench_ingest(
+    inputs: Sequence[str],
+    *,
+    store: str,
+    tokenizer: str,
+    dsn: str,
+    options: IngestOptions,
+    fmt: str = "auto",
+    keep: bool = False,
+) -> dict[str, Any]:
+    """Run a full ingest into `store` and return its figures; the store is dropped afterwards unless `keep`."""
+    summary = ingest(list(inputs), store=store, tokenizer=tokenizer, dsn=dsn, options=options, fmt=fmt)
+    if not keep:
+        with db.session(dsn) as conn:
+            db.drop_store(conn, store)
+    return ingest_figures(summary)
 
 
 def ingest_figures(summary: Any) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""`crest bench lookup`: SDK lookups against a bare prepared lookup of the same rows, and a load test.
+"""`crest lookup` and `crest bench lookup`: one text's draft tree, SDK lookups timed against a bare prepared lookup.
 
+`lookup_text` encodes a text with the store's tokenizer (or a given one, which must match the store's
+fingerprint) and returns the draft tree stored for its longest suffix with each node's text piece.
 `bench_lookup` times the SDK's `draft()` on cache misses side by side with a bare prepared single-row psycopg
 lookup of the same rows on the same server, and the cache-hit path; `bench_load` drives the SDK from threads
 and processes for a fixed time and reports throughput, latency percentiles and errors.
@@ -16,9 +18,43 @@ from typing import Any
 import numpy as np
 import psycopg
 from crest_client import Store
+from crest_client.draft import Draft
 
+from crest.config import check_store_name, resolve_model_spec
 from crest.db.versions import ngram_table, session
-from crest.errors import StoreNotFound
+from crest.errors import FingerprintMismatch, StoreNotFound
+
+LOOKUP_TIMEOUT = 5.0  # seconds for `crest lookup` to connect and read the store, and for its one draft()
+
+
+@dataclass
+class TextLookup:
+    """The draft tree stored for the end of a text, with each node's text piece (empty when none matched)."""
+
+    draft: Draft | None
+    pieces: list[str]
+
+
+def lookup_text(
+    dsn: str,
+    store: str,
+    text: str,
+    *,
+    tokenizer: str | None = None,
+    max_nodes: int = 64,
+    timeout: float = LOOKUP_TIMEOUT,
+) -> TextLookup:
+    """Return the tree for the longest stored suffix of `text` (tokenizer: the store's own unless given)."""
+    from crest.ingest.tokenizer import load_tokenizer
+
+    check_store_name(store)
+    with Store.connect(dsn, store, cache_size=0, timeout=timeout, connect_timeout=timeout) as handle:
+        tok = load_tokenizer(resolve_model_spec(tokenizer or handle.info.tokenizer))
+        if tok.fingerprint != handle.info.fingerprint:
+            raise FingerprintMismatch(f"store {store!r} was built with another tokenizer than {tok.spec!r}")
+        draft = handle.draft(tok.encode(text), max_nodes=max_nodes)
+    tokens = draft.tokens.tolist() if draft is not None else []
+    return TextLookup(draft=draft, pieces=[tok.hf.decode([int(t)]) for t in tokens])
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from crest.errors import CrestError
 
@@ -93,3 +93,25 @@ def write_results(results: dict[str, Any], out: Path, *, title: str) -> list[Pat
     except OSError as exc:
         raise CrestError(f"cannot write benchmark results to {out}: {exc.strerror or exc}") from None
     return paths
+
+
+def save_run(
+    benchmark: str,
+    rows: Sequence[dict[str, Any]],
+    *,
+    started: float,
+    title: str,
+    out: Path | None = None,
+    **extra: Any,
+) -> tuple[dict[str, Any], list[Path]]:
+    """Return a run's envelope and the files it was written to (`out`/<benchmark>.json and .md; none without `out`)."""
+    results = envelope(benchmark, rows, started=started, **extra)
+    return results, write_results(results, out, title=title) if out is not None else []
+
+
+def open_records(path: Path) -> TextIO:
+    """Open the JSON-lines file a benchmark writes its records to as it goes, or raise a clear error."""
+    try:
+        return path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise CrestError(f"cannot write {path}: {exc.strerror or exc}") from None

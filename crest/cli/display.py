@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from crest_client.draft import Draft
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from crest.ingest.pipeline import IngestSummary
 
 Advance = Callable[[int], None]
+_NUMBER = re.compile(r"^-?[\d,.]+( [kMG]?B)?$|^-$")
 console = Console(stderr=True)
 out = Console()
 
@@ -128,29 +132,69 @@ def print_draft(draft: Draft | None, pieces: Sequence[str], *, as_json: bool = F
     out.print(root)
 
 
-def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False) -> None:
-    """Print the stores with their key figures."""
+def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False, show_state: bool = False) -> None:
+    """Print the stores with their key figures: a table, or one block per store when the terminal is narrow."""
     if as_json:
         out.print_json(json.dumps(rows, default=str))
         return
-    table = Table(title="crest stores")
-    for column in ("name", "version", "state", "n-grams", "tokens", "bytes (table+index)", "B/n-gram", "published"):
-        table.add_column(column)
+    if not rows:
+        out.print("no store yet: run crest ingest")
+        return
+    columns = ["store", "version", *(["state"] if show_state else []), "n-grams", "tokens", "size", "B/n-gram"]
+    columns.append("published")
+    _print_records("crest stores", columns, [_store_line(row, show_state=show_state) for row in rows])
+
+
+def _store_line(row: dict[str, Any], *, show_state: bool) -> list[str]:
+    figures = row.get("figures") or {}
+    kept = sum((figures.get("kept") or {}).values())
+    size = int(row["table_bytes"]) + int(row["index_bytes"])
+    published: Any = row.get("published_at")
+    return [
+        str(row["name"]),
+        str(row["id"]),
+        *([str(row["state"])] if show_state else []),
+        f"{kept:,}",
+        f"{figures.get('tokens', 0):,}",
+        _mb(size),
+        f"{size / kept:.0f}" if kept else "-",
+        published.strftime("%Y-%m-%d %H:%M") if published is not None else "-",
+    ]
+
+
+def print_query(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, as_json: bool = False) -> None:
+    """Print a query's rows as a table (one block per row when the terminal is narrow), or as JSON lines."""
+    if as_json:
+        for row in rows:
+            print(json.dumps(dict(zip(columns, row, strict=True)), default=str), flush=True)
+        return
+    if not rows:
+        out.print(f"{title}: no rows")
+        return
+    cells = [["-" if v is None else f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    _print_records(title, list(columns), cells)
+
+
+def _print_records(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """Print rows as a table when it fits the terminal, else as one two-column block per row; nothing is cut."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, column in enumerate(columns):
+        numeric = all(_NUMBER.match(row[i]) for row in rows)
+        table.add_column(column, no_wrap=True, justify="right" if numeric else "left")
     for row in rows:
-        figures = row.get("figures") or {}
-        kept = sum((figures.get("kept") or {}).values())
-        size = int(row["table_bytes"]) + int(row["index_bytes"])
-        table.add_row(
-            row["name"],
-            str(row["id"]),
-            row["state"],
-            f"{kept:,}",
-            f"{figures.get('tokens', 0):,}",
-            _mb(size),
-            f"{size / kept:.0f}" if kept else "-",
-            str(row["published_at"] or "")[:19],
-        )
-    out.print(table)
+        table.add_row(*row)
+    out.print(title, style="bold")
+    if Measurement.get(out, out.options.update_width(1 << 20), table).maximum <= out.width:
+        out.print(table)
+        return
+    key_width = max(len(c) for c in columns)
+    for i, row in enumerate(rows):
+        block = Table(title=f"[{i + 1}] {row[0]}", title_justify="left", show_header=False, box=box.SIMPLE)
+        block.add_column(no_wrap=True, min_width=key_width)
+        block.add_column(overflow="fold")
+        for column, value in zip(columns, row, strict=True):
+            block.add_row(column, value)
+        out.print(block)
 
 
 def print_figures(title: str, figures: dict[str, Any]) -> None:

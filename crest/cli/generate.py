@@ -1,15 +1,64 @@
-"""`crest generate`: load the model once, open the drafter, run each prompt and print text or JSON lines."""
+"""`crest generate`: check the options, load the model once, open the drafter, print text or JSON lines per prompt."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Sequence
+from typing import Annotated
 
-from crest.bench.prompts import read_prompts
-from crest.config import resolve_model_spec
-from crest.drafters.registry import open_drafter
-from crest.errors import ConfigError
+import typer
+
+from crest.cli.options import Chat, Device, Dsn, Dtype, Json, MaxDraftTokens, MaxNewTokens, Model, OptionalStore
+
+
+def generate(
+    prompt: Annotated[str | None, typer.Argument(help="Prompt text (or use --prompts).")] = None,
+    model: Model = "smollm2",
+    store: OptionalStore = None,
+    drafter: Annotated[
+        str, typer.Option(envvar="CREST_DRAFTER", help="none, prompt, rest, crest or crest+prompt.")
+    ] = "crest+prompt",
+    rest_index: Annotated[str | None, typer.Option(help="REST index directory for --drafter rest.")] = None,
+    prompts: Annotated[str | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
+    max_new_tokens: MaxNewTokens = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Top-k sampling (0 = off).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    chat: Chat = False,
+    max_draft_tokens: MaxDraftTokens = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    device: Device = "cpu",
+    dtype: Dtype = "float32",
+    as_json: Json = False,
+    dsn: Dsn = None,
+) -> None:
+    """Generate with tree-attention speculative decoding (greedy output equals plain decoding).
+
+    Text streams to stdout and a line of figures goes to stderr; with --json, one JSON object per prompt.
+    M (mean accepted length) is new tokens per target forward: 1.0 means no draft was verified.
+    """
+    run_generate(
+        prompt=prompt,
+        prompts_file=prompts,
+        model=model,
+        store=store,
+        drafter=drafter,
+        rest_index=rest_index,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        chat=chat,
+        max_draft_tokens=max_draft_tokens,
+        stop=stop or [],
+        device=device,
+        dtype=dtype,
+        as_json=as_json,
+        dsn=dsn,
+    )
 
 
 def run_generate(
@@ -33,23 +82,29 @@ def run_generate(
     as_json: bool,
     dsn: str | None,
 ) -> None:
-    """Generate for one prompt or a file of prompts, printing text or JSON lines."""
+    """Generate for one prompt or a file of prompts, printing text or JSON lines (each flushed)."""
+    from crest.bench.prompts import read_prompts
+    from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
+    from crest.drafters.registry import check_drafter, open_drafter
+    from crest.errors import ConfigError
     from crest.ingest.tokenizer import load_tokenizer
 
     if (prompt is None) == (prompts_file is None):
         raise ConfigError("give a PROMPT or --prompts FILE (one of them)")
     if max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens must be positive")
+    name = check_drafter(drafter, store=store, rest_index=rest_index)  # before the model loads
     texts = [prompt] if prompt is not None else list(read_prompts(str(prompts_file)))
+    if name in ("crest", "crest+prompt"):
+        _migrate_if_reachable(dsn)
     loaded = load_model(model, device=device, dtype=dtype)
     fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
-    draft_source = open_drafter(drafter, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
-    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
+    draft_source = open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
+    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens, on_progress=_note)
     for text in texts:
         ids = loaded.encode_prompt(text, chat=chat)
-        stream = None if as_json else _write_now
         result = gen.generate(
             ids,
             drafter=draft_source,
@@ -59,18 +114,34 @@ def run_generate(
             top_k=top_k,
             seed=seed,
             stop=stop,
-            on_text=stream,
+            on_text=None if as_json else _write_now,
         )
         if as_json:
             payload = result.to_json()
             payload.pop("accepted_per_step", None)
             print(json.dumps(payload), flush=True)
         else:
-            print(
+            _note(
                 f"\n-- {result.new_tokens} tokens, {result.forward_passes} forwards, "
-                f"M = {result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s",
-                file=sys.stderr,
+                f"M = {result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s"
             )
+
+
+def _migrate_if_reachable(dsn: str | None) -> None:
+    """Migrate the schema so a fresh database reads as 'no such store'; a database that is down costs drafts only."""
+    import contextlib
+
+    from crest import db
+    from crest.config import resolve_dsn
+    from crest.errors import ConnectionUnavailable, DatabaseError
+
+    # a database that is down: the store drafter says so once and drafts nothing until it answers
+    with contextlib.suppress(ConnectionUnavailable, DatabaseError):
+        db.upgrade(resolve_dsn(dsn))
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _write_now(text: str) -> None:

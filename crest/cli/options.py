@@ -1,0 +1,88 @@
+"""Options shared by several commands, declared once: each reads its `CREST_<NAME>` environment variable.
+
+Precedence, for every command: the option on the command line > the `CREST_*` variable > the default shown
+in `--help`. The database adds one step: `--dsn` > `CREST_DATABASE_URL` > the embedded default server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither --top-t nor --budget is given
+
+Dsn = Annotated[
+    str | None,
+    typer.Option(
+        "--dsn",
+        envvar="CREST_DATABASE_URL",
+        show_envvar=True,
+        help="PostgreSQL DSN; default: the embedded server (`crest db url` prints the one in use).",
+    ),
+]
+StoreName = Annotated[
+    str, typer.Option("--store", "-s", envvar="CREST_STORE", show_envvar=True, help="Store name (an identifier).")
+]
+OptionalStore = Annotated[
+    str | None,
+    typer.Option("--store", "-s", envvar="CREST_STORE", show_envvar=True, help="Store of the crest drafters."),
+]
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model", "-m", envvar="CREST_MODEL", show_envvar=True, help="HF model dir/name, a .gguf file, or smollm2."
+    ),
+]
+Device = Annotated[str, typer.Option("--device", envvar="CREST_DEVICE", show_envvar=True, help="cpu or cuda.")]
+Dtype = Annotated[
+    str,
+    typer.Option("--dtype", envvar="CREST_DTYPE", show_envvar=True, help="float32, float16, bfloat16 or auto."),
+]
+MaxNewTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-new-tokens", envvar="CREST_MAX_NEW_TOKENS", show_envvar=True, help="Tokens to generate per prompt."
+    ),
+]
+Chat = Annotated[
+    bool,
+    typer.Option("--chat", envvar="CREST_CHAT", show_envvar=True, help="Apply the model's chat template."),
+]
+MaxDraftTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--max-draft-tokens",
+        envvar="CREST_MAX_DRAFT_TOKENS",
+        show_envvar=True,
+        help="Draft tokens verified per forward, at most (0: no drafts). Default: adaptive, the size that maximises "
+        "expected tokens/s under the model's measured forward cost (calibrated once per model, device, dtype and "
+        "threads, cached in CREST_HOME). On a CPU a forward of more tokens costs more, so when no draft is likely "
+        "to pay it drafts nothing and M (tokens per forward) is exactly 1.0.",
+    ),
+]
+Json = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        envvar="CREST_JSON",
+        show_envvar=True,
+        help="Print JSON (one object per line where there are several).",
+    ),
+]
+Out = Annotated[
+    Path | None, typer.Option("--out", "-o", help="Also write <benchmark>.json and <benchmark>.md into this folder.")
+]
+Tokenizer = Annotated[
+    str,
+    typer.Option(
+        "--tokenizer",
+        "-t",
+        envvar="CREST_TOKENIZER",
+        show_envvar=True,
+        help="HF tokenizer dir/name, a .gguf file, or smollm2.",
+    ),
+]
+Format = Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")]
+Inputs = Annotated[list[str], typer.Argument(help="Files, directories or globs to read.")]

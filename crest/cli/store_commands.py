@@ -1,0 +1,139 @@
+"""Commands that build and read stores: `crest ingest`, `lookup`, `stores` and `drop`.
+
+Every command that reads migrates the schema first (safe to run many times), so a fresh database answers
+"no published store named ..." or an empty list, never a raw SQL error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from crest.cli.options import DEFAULT_TOP_T, Dsn, Format, Inputs, Json, StoreName, Tokenizer
+
+
+def database(dsn: str | None) -> str:
+    """Return the DSN in use (option/env, else the embedded server, started) with crest's schema migrated."""
+    from crest import db
+    from crest.config import resolve_dsn
+
+    url = resolve_dsn(dsn)
+    db.upgrade(url)
+    return url
+
+
+def ingest(
+    inputs: Inputs,
+    store: StoreName,
+    tokenizer: Tokenizer,
+    fmt: Format = "auto",
+    max_n: Annotated[int, typer.Option(envvar="CREST_MAX_N", help="Largest n-gram length.")] = 4,
+    top_t: Annotated[
+        int | None,
+        typer.Option(
+            help=f"Keep the T most common n-grams of each n (default {DEFAULT_TOP_T:,} when no --budget). A store "
+            "can hold a few less: an n-gram whose every occurrence ends its document has no continuation, so no "
+            "tree, and is not stored; and an n with fewer than T distinct n-grams keeps them all.",
+        ),
+    ] = None,
+    budget: Annotated[str | None, typer.Option(help="Largest T whose store fits this size, e.g. 200MB.")] = None,
+    continuation_length: Annotated[int, typer.Option(help="Tokens of continuation per occurrence.")] = 10,
+    max_matches: Annotated[int, typer.Option(help="Occurrences sampled per n-gram at most.")] = 5000,
+    tree_size: Annotated[int, typer.Option(envvar="CREST_TREE_SIZE", help="Nodes kept per tree.")] = 64,
+    seed: Annotated[int, typer.Option(help="Seed of the occurrence sampling.")] = 0,
+    selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
+    single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
+    blob_format: Annotated[
+        int,
+        typer.Option(envvar="CREST_BLOB_FORMAT", help="Tree blobs: 2 compact, 1 larger but faster to decode."),
+    ] = 2,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    chunk_tokens: Annotated[
+        int, typer.Option(envvar="CREST_CHUNK_TOKENS", help="Corpus positions scanned at once (bounds peak memory).")
+    ] = 1 << 22,
+    dsn: Dsn = None,
+) -> None:
+    """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store.
+
+    The new version replaces the store's published one atomically; a failed or interrupted ingest leaves the
+    previous version in place. Version numbers are shared by all stores of a database (they are row ids), so
+    a store's versions need not be consecutive.
+    """
+    from crest.cli.display import RichReporter, print_summary
+    from crest.config import IngestOptions, parse_size, resolve_dsn
+    from crest.ingest.pipeline import ingest as run_ingest
+
+    options = IngestOptions(
+        max_n=max_n,
+        top_t=DEFAULT_TOP_T if top_t is None and budget is None else top_t,
+        budget=parse_size(budget) if budget is not None else None,
+        continuation_length=continuation_length,
+        max_matches=max_matches,
+        tree_size=tree_size,
+        seed=seed,
+        selection=selection,
+        single_n=single_n,
+        blob_format=blob_format,
+    ).validate()
+    with RichReporter(enabled=not quiet) as reporter:
+        summary = run_ingest(
+            inputs,
+            store=store,
+            tokenizer=tokenizer,
+            dsn=resolve_dsn(dsn),
+            options=options,
+            fmt=fmt,
+            reporter=reporter,
+            chunk_tokens=chunk_tokens,
+        )
+    print_summary(summary)
+
+
+def lookup(
+    text: Annotated[str, typer.Argument(help="Text whose end is looked up.")],
+    store: StoreName,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", "-t", help="Default: the tokenizer the store was built with.")
+    ] = None,
+    max_nodes: Annotated[int, typer.Option(help="Nodes of the tree to show.")] = 64,
+    as_json: Json = False,
+    dsn: Dsn = None,
+) -> None:
+    """Show the draft tree stored for the longest suffix of TEXT (the heaviest nodes; weights are counts)."""
+    from crest.bench.lookup import lookup_text
+    from crest.cli.display import print_draft
+
+    found = lookup_text(database(dsn), store, text, tokenizer=tokenizer, max_nodes=max_nodes)
+    print_draft(found.draft, found.pieces, as_json=as_json)
+
+
+def stores(
+    show_all: Annotated[
+        bool, typer.Option("--all", help="Also versions being built, retired (replaced) or failed.")
+    ] = False,
+    as_json: Json = False,
+    dsn: Dsn = None,
+) -> None:
+    """List the stores with their figures and disk use.
+
+    Each ingest makes a new version: `building` while it runs, `published` once it is the one lookups read,
+    `retired` when a newer version replaced it (removed by the next ingest), `failed` when its ingest failed or
+    was interrupted (its tables are removed; the previous version stayed published). Version numbers are shared
+    by all stores of a database.
+    """
+    from crest import db
+    from crest.cli.display import print_stores
+
+    with db.session(database(dsn)) as conn:
+        rows = db.list_stores(conn, include_all=show_all)
+    print_stores(rows, as_json=as_json, show_state=show_all)
+
+
+def drop(name: Annotated[str, typer.Argument(help="Store to drop.")], dsn: Dsn = None) -> None:
+    """Drop the published version of a store."""
+    from crest import db
+
+    with db.session(database(dsn)) as conn:
+        sid = db.drop_store(conn, name)
+    typer.echo(f"dropped store {name!r} (version {sid})")

@@ -1,0 +1,269 @@
+"""The front door: usage errors, --version, CREST_* variables, fresh and unreachable databases, stores at 80
+columns, `crest db url/query/queries`, Ctrl-C, and `server stop` without XDG_RUNTIME_DIR.
+
+Commands run through `crest.cli.main()` (the same error mapping as the `crest` script) in this process, or as
+a real subprocess where a signal, the terminal width or a warning at import matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from typer.testing import CliRunner
+
+from crest.cli.app import app, main
+from crest.config import IngestOptions
+from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
+from crest.ingest.pipeline import ingest
+from tests.test_faults import OLD_TEXT, snapshot, visible_state, write_corpus
+from tests.test_store import ROWS, publish
+
+pytest_plugins = ["tests.fix_corpus"]
+
+REFUSED = "postgresql://crest@127.0.0.1:1/nothing?connect_timeout=5"  # nothing listens on port 1
+
+
+def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run `crest ARGS` through main(); return the exit code, stdout and stderr."""
+    monkeypatch.setattr(sys, "argv", ["crest", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main()
+    captured = capsys.readouterr()
+    return int(done.value.code or 0), captured.out, captured.err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert "Traceback" not in err and "unexpected" not in err, err
+    return lines[0]
+
+
+USAGE = [
+    ("unknown-option", ["lookup", "--max_nodes", "3", "x"], r"No such option: --max_nodes"),
+    ("missing-argument", ["lookup", "--store", "s"], r"Missing argument"),
+    ("unknown-command", ["nope"], r"No such command 'nope'"),
+    ("unknown-subcommand", ["db", "nope"], r"No such command 'nope'"),
+    ("bad-int", ["lookup", "--max-nodes", "many", "--store", "s", "x"], r"Invalid value for '--max-nodes'"),
+]
+
+
+@pytest.mark.parametrize(("args", "pattern"), [u[1:] for u in USAGE], ids=[u[0] for u in USAGE])
+def test_usage_errors_show_usage_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], pattern: str
+) -> None:
+    code, out, err = run(monkeypatch, capsys, *args)
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("Usage: crest") and "--help' for help" in err and re.search(pattern, err), err
+    assert "unexpected" not in err and "Traceback" not in err
+
+
+def test_version(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert run(monkeypatch, capsys, "--version") == (0, f"crest {version('crest')}\n", "")
+
+
+def test_shared_options_read_their_environment_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: dict[str, dict[str, Any]] = {}
+    monkeypatch.setattr("crest.cli.generate.run_generate", lambda **kw: seen.setdefault("generate", kw))
+    monkeypatch.setattr("crest.bench.generate.bench_generate", lambda **kw: seen.setdefault("bench", kw) and [])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    env = {"CREST_MODEL": "m1", "CREST_DEVICE": "cuda", "CREST_DTYPE": "bfloat16", "CREST_MAX_NEW_TOKENS": "7"}
+    env |= {"CREST_CHAT": "1", "CREST_MAX_DRAFT_TOKENS": "3", "CREST_STORE": "code", "CREST_JSON": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert run(monkeypatch, capsys, "generate", "hi", "--dtype", "float16")[0] == 0  # the option beats the variable
+    bench = ["bench", "generate", "--prompts", str(prompts), "--drafters", "none,crest"]
+    code, out, err = run(monkeypatch, capsys, *bench)
+    assert code == 0, err
+    assert json.loads(out)["model"] == "m1"  # CREST_JSON: one JSON object
+    for name in ("generate", "bench"):
+        got = seen[name]
+        assert (got["model"], got["device"], got["max_new_tokens"], got["chat"]) == ("m1", "cuda", 7, True), name
+        assert (got["max_draft_tokens"], got["store"]) == (3, "code"), name
+    assert seen["generate"]["dtype"] == "float16" and seen["bench"]["dtype"] == "bfloat16"
+
+
+def test_bench_ingest_does_not_take_crest_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CREST_STORE", "precious")  # bench ingest replaces and drops its store: never this one
+    help_text = CliRunner().invoke(app, ["bench", "ingest", "--help"], env={"COLUMNS": "200"}).output
+    assert "bench_ingest" in help_text and "CREST_STORE" not in help_text
+
+
+@pytest.mark.parametrize("drafter", ["magic", "crest"], ids=["unknown", "crest-without-store"])
+def test_bad_drafter_is_refused_before_the_model_loads(tmp_path: Path, drafter: str) -> None:
+    env = {**os.environ, "CREST_DATABASE_URL": REFUSED}
+    env.pop("CREST_STORE", None)
+    args = [sys.executable, "-m", "crest.cli", "generate", "x", "--drafter", drafter, "--model", str(tmp_path / "no")]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    line = one_error_line(done.stderr)
+    assert done.returncode == EXIT_USAGE and ("unknown drafter 'magic'" in line or "needs --store" in line), line
+
+
+READERS = [
+    ("lookup", ["lookup", "--store", "s", "x"], EXIT_FAILURE, r"no published store named 's'"),
+    ("drop", ["drop", "s"], EXIT_FAILURE, r"no published store named 's'"),
+    ("bench-lookup", ["bench", "lookup", "--store", "s"], EXIT_FAILURE, r"no published store named 's'"),
+    ("stores", ["stores"], 0, r"no store yet: run crest ingest"),
+    ("query", ["db", "query", "coverage"], 0, r"no rows"),
+]
+
+
+@pytest.mark.parametrize(("args", "code", "pattern"), [r[1:] for r in READERS], ids=[r[0] for r in READERS])
+def test_commands_that_read_a_fresh_database(
+    empty_db: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    code: int,
+    pattern: str,
+) -> None:
+    got, out, err = run(monkeypatch, capsys, *args, "--dsn", empty_db)
+    assert got == code, err
+    assert re.search(pattern, one_error_line(err) if code else out), (out, err)
+    assert "crest_stores" not in err
+
+
+UNREACHABLE = [
+    ("lookup", ["lookup", "--store", "s", "x"]),
+    ("stores", ["stores"]),
+    ("drop", ["drop", "s"]),
+    ("ingest", ["ingest", "{corpus}", "--store", "s", "--tokenizer", "{tokenizer}", "-q"]),
+    ("db-upgrade", ["db", "upgrade"]),
+    ("db-query", ["db", "query", "coverage"]),
+    ("bench-lookup", ["bench", "lookup", "--store", "s"]),
+]
+
+
+@pytest.mark.parametrize("args", [u[1] for u in UNREACHABLE], ids=[u[0] for u in UNREACHABLE])
+def test_an_unreachable_database_is_one_line_exit_3_at_once(
+    tmp_path: Path,
+    word_tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+) -> None:
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("the cat sat on the mat\n")
+    args = [str(corpus) if a == "{corpus}" else str(word_tokenizer_dir) if a == "{tokenizer}" else a for a in args]
+    monkeypatch.setenv("CREST_DATABASE_URL", REFUSED)
+    started = time.monotonic()
+    code, _, err = run(monkeypatch, capsys, *args)
+    assert time.monotonic() - started < 5
+    line = one_error_line(err)
+    assert code == EXIT_DATABASE and "Connection refused" in line and "port 1" in line, err
+
+
+def test_stores_fit_80_columns(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path) -> None:
+    options = IngestOptions(top_t=1000, max_n=3, continuation_length=4)
+    corpus = write_corpus(tmp_path / "c.jsonl", OLD_TEXT)
+    for name in ("stdlib", "a_store_with_a_long_descriptive_name"):
+        ingest([str(corpus)], store=name, tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=options)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # README-sized figures, the widest cells
+        figures = json.dumps({"kept": {"1": 224_000, "2": 1_000_000}, "tokens": 12_345_678})
+        conn.execute("UPDATE crest_stores SET figures = %s", (figures,))
+    env = {**os.environ, "COLUMNS": "80", "CREST_DATABASE_URL": db_dsn}
+    for extra in ([], ["--all"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "crest.cli", "stores", *extra], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert "…" not in done.stdout and max(len(line) for line in done.stdout.splitlines()) <= 80, done.stdout
+        for value in ("stdlib", "a_store_with_a_long_descriptive_name", "1,224,000", "12,345,678"):
+            assert value in done.stdout, done.stdout
+        assert len(re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d", done.stdout)) == 2, done.stdout
+        assert ("state" in done.stdout) == bool(extra)  # a column or a line of each block, with --all only
+
+
+def test_db_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CREST_DATABASE_URL", "postgresql://from-env/x")
+    assert run(monkeypatch, capsys, "db", "url")[:2] == (0, "postgresql://from-env/x\n")
+    assert run(monkeypatch, capsys, "db", "url", "--dsn", "postgresql://opt/y")[:2] == (0, "postgresql://opt/y\n")
+
+
+def test_db_queries_run_every_shipped_query(
+    db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from crest.db.queries import list_queries
+
+    publish(db_dsn, "demo", ROWS)
+    code, listed, _ = run(monkeypatch, capsys, "db", "queries")
+    names = [line.split()[0] for line in listed.splitlines() if "psql only" not in line]
+    assert code == 0 and names == ["coverage", "disk_use", "top_ngrams", "tree_sizes"], listed
+    assert run(monkeypatch, capsys, "db", "query", "--list")[1] == listed
+    for query in list_queries():
+        code, out, err = run(monkeypatch, capsys, "db", "query", query.name, "--json", "--dsn", db_dsn)
+        if query.psql_only:
+            assert code == EXIT_USAGE and "psql" in one_error_line(err)
+            continue
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert code == 0 and rows and all(row["store"] == "demo" for row in rows), (query.name, out, err)
+    own = tmp_path / "mine.sql"
+    own.write_text("-- Store names.\nSELECT name FROM crest_stores\n")
+    code, out, _ = run(monkeypatch, capsys, "db", "query", str(own), "--dsn", db_dsn)
+    assert code == 0 and "Store names" in out and "demo" in out
+    code, _, err = run(monkeypatch, capsys, "db", "query", "nope", "--dsn", db_dsn)
+    assert code == EXIT_USAGE and "no query 'nope'" in one_error_line(err)
+
+
+def test_server_stop_says_nothing_on_stderr_without_xdg_runtime_dir(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"} | {"CREST_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "crest.cli", "server", "stop"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "not running\n", "")
+
+
+@pytest.mark.slow  # a `crest ingest` subprocess per stage, about 10 s each
+@pytest.mark.parametrize("stage", ["count", "load"], ids=["before-build", "during-load"])
+def test_ctrl_c_during_ingest_says_interrupted_exits_130_and_keeps_the_previous_version(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("CREST_HOME", str(home))
+    options = IngestOptions(top_t=1000, max_n=3, continuation_length=4)
+    old = ingest([str(write_corpus(tmp_path / "old.jsonl", OLD_TEXT))], store="words",
+                 tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=options)  # fmt: skip
+    before, old_snapshot = visible_state(db_dsn), snapshot(db_dsn, "words")
+    new_corpus = write_corpus(tmp_path / "new.jsonl", [t[::-1] for t in OLD_TEXT])
+    env = {**os.environ, "CREST_DATABASE_URL": db_dsn, "CREST_FAULT_PAUSE": stage}
+    args = [sys.executable, "-m", "crest.cli", "ingest", str(new_corpus), "--store", "words", "--top-t", "1000"]
+    args += ["--tokenizer", str(word_tokenizer_dir), "--max-n", "3", "--continuation-length", "4", "-q"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(180, proc.kill)  # a stage never reached ends the test instead of hanging it
+    watchdog.start()
+    try:
+        assert proc.stderr is not None
+        said = ""
+        while not said.startswith("crest-fault-pause"):
+            said = proc.stderr.readline()
+            assert said, "the ingest ended before the stage"
+        assert said == f"crest-fault-pause {stage}\n"
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        assert proc.wait(60) == EXIT_INTERRUPTED
+        assert one_error_line(proc.stderr.read()) == "Error: interrupted"
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    assert visible_state(db_dsn) == before and before["published"] == [old.store_id]
+    assert snapshot(db_dsn, "words") == old_snapshot
+    with psycopg.connect(db_dsn) as conn:  # the interrupted attempt is marked, not left building
+        states = [s for (s,) in conn.execute("SELECT state FROM crest_stores WHERE id <> %s", (old.store_id,))]
+    assert states == ([] if stage == "count" else ["failed"])
