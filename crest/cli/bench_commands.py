@@ -10,7 +10,6 @@ from typing import Annotated, Any
 import typer
 
 from crest.cli.options import (
-    DEFAULT_TOP_T,
     Chat,
     Device,
     Dsn,
@@ -26,6 +25,7 @@ from crest.cli.options import (
     StoreName,
     Tokenizer,
 )
+from crest.config import DEFAULT_TOP_T
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures (a table, or JSON with --json).")
 rest_app = typer.Typer(no_args_is_help=True, help="The REST baseline's suffix-array index.")

@@ -11,8 +11,6 @@ from typing import Annotated
 
 import typer
 
-DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither --top-t nor --budget is given
-
 Dsn = Annotated[
     str | None,
     typer.Option(

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from crest.cli.options import DEFAULT_TOP_T, Dsn, Format, Inputs, Json, StoreName, Tokenizer
+from crest.cli.options import Dsn, Format, Inputs, Json, StoreName, Tokenizer
+from crest.config import DEFAULT_TOP_T
 
 
 def database(dsn: str | None) -> str:
@@ -66,7 +67,7 @@ def ingest(
 
     options = IngestOptions(
         max_n=max_n,
-        top_t=DEFAULT_TOP_T if top_t is None and budget is None else top_t,
+        top_t=top_t,
         budget=parse_size(budget) if budget is not None else None,
         continuation_length=continuation_length,
         max_matches=max_matches,

@@ -155,12 +155,10 @@ def ingest(
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> IngestSummary:
     """Build a new version of `store` from `inputs` and publish it atomically."""
-    options.validate()
+    options = options.validate().with_defaults()
     if chunk_tokens < 1:
         raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")
     check_store_name(store)
-    if options.top_t is None and options.budget is None:
-        raise ConfigError("give --top-t T or --budget SIZE")
     rep = reporter or SilentReporter()
     tokenizer = resolve_model_spec(tokenizer)
     seconds: dict[str, float] = {}
