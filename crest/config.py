@@ -11,14 +11,14 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from crest_client.names import ENV_DSN, NAME_RE, check_store_name, resolve_dsn
 
 from crest.errors import ConfigError
 
 ENV_FAULT_PAUSE = "CREST_FAULT_PAUSE"  # test hook: see `fault_pause`
-FAULT_STAGES = ("read", "count", "build", "load", "publish")
+FAULT_STAGES = ("read", "count", "build", "load", "index", "publish", "clean")  # "clean": in clean_leftovers
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
@@ -51,6 +51,9 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ConfigError(f"size {text!r} must be positive")
     return size
+
+
+DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,12 @@ class IngestOptions:
             raise ConfigError(f"unknown selection {self.selection!r}: use combined, single or upto")
         if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):
             raise ConfigError("selection 'single' needs an n between 1 and --max-n")
+        return self
+
+    def with_defaults(self) -> IngestOptions:
+        """Return these options with the default top-t filled in when neither top_t nor budget is set."""
+        if self.top_t is None and self.budget is None:
+            return replace(self, top_t=DEFAULT_TOP_T)
         return self
 
 
