@@ -15,7 +15,8 @@ from crest_client.draft import Draft
 from crest.decoding.generator import SpeculativeGenerator
 from tests.fix_models import IdTokenizer, tiny_model
 
-torch.set_num_threads(1)
+pytest_plugins = ["tests.fix_torch"]
+pytestmark = pytest.mark.usefixtures("torch_threads")  # one torch thread per test, restored after
 
 SAMPLING = [
     {"temperature": 0.9, "top_k": 0, "top_p": 1.0},

@@ -3,8 +3,12 @@ expected tokens per second."""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +18,8 @@ from crest_client.draft import Draft
 from crest.decoding.generator import SpeculativeGenerator
 from tests.fix_models import IdTokenizer, tiny_model
 
-torch.set_num_threads(1)
+pytest_plugins = ["tests.fix_torch"]
+pytestmark = pytest.mark.usefixtures("torch_threads")  # one torch thread per test, restored after
 
 
 def test_path_probabilities_are_weight_ratio_products() -> None:
@@ -54,16 +59,112 @@ def test_cost_model_is_monotone_and_extrapolates() -> None:
     np.testing.assert_allclose(cost(np.array([1, 2, 3, 4, 6])), [0.9, 0.9, 1.45, 2.0, 3.1])
 
 
-def test_calibration_is_cached_per_model_device_and_dtype() -> None:
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A CREST_HOME of this test's own, so calibrations cached by other tests are not found."""
+    monkeypatch.setenv("CREST_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Count calls of the timing function (the real one still runs): one entry, the dtype, per measurement."""
+    from crest.decoding import sizing
+
+    calls: list[str] = []
+    real = sizing.measure_costs
+
+    def spy(model: Any, **options: Any) -> sizing.CostModel:
+        calls.append(str(next(model.parameters()).dtype))
+        return real(model, **options)
+
+    monkeypatch.setattr(sizing, "measure_costs", spy)
+    return calls
+
+
+def calibrate_small(model: Any) -> Any:
+    """Calibrate over three sizes in one round (fast on tiny models)."""
+    from crest.decoding.sizing import calibrate
+
+    return calibrate(model, sizes=(1, 4, 16), repeats=1)
+
+
+def test_calibration_is_measured_once_per_model_in_a_process(home: Path, measured: list[str]) -> None:
     from crest.decoding.sizing import calibrate
 
     model = tiny_model("llama", max_positions=64)
-    first = calibrate(model, sizes=(1, 4, 16), repeats=1)
-    assert calibrate(model, sizes=(1, 4, 16), repeats=1) is first
+    first = calibrate_small(model)
+    assert calibrate_small(model) is first and len(measured) == 1
     assert first.sizes.tolist() == [1.0, 4.0, 16.0] and (first.seconds > 0).all()
-    assert calibrate(model.double(), sizes=(1, 4), repeats=1) is not first
     gen = SpeculativeGenerator(model, IdTokenizer())
     assert gen.adaptive and gen.cost() is calibrate(model)
+
+
+def test_a_second_generator_loads_the_cached_calibration(home: Path, measured: list[str]) -> None:
+    """A new process (here: a new model object of the same checkpoint) reads CREST_HOME instead of measuring."""
+    from crest.decoding.sizing import CostModel
+
+    lines: list[str] = []
+    first = SpeculativeGenerator(tiny_model("llama", seed=1), IdTokenizer(), on_progress=lines.append).cost()
+    assert measured == ["torch.float32"]
+    assert len(lines) == 1 and lines[0].startswith("calibrating the draft cost model for llama on cpu/float32")
+    [cached] = (home / "calibration").glob("*.json")
+    assert not list((home / "calibration").glob("*.tmp"))  # written through a temporary file, renamed
+    again = SpeculativeGenerator(tiny_model("llama", seed=1), IdTokenizer(), on_progress=lines.append).cost()
+    assert measured == ["torch.float32"] and len(lines) == 1  # loaded: no timing, no progress line
+    np.testing.assert_array_equal(again.seconds, first.seconds)
+    given = CostModel([1, 2], [1.0, 2.0])
+    assert SpeculativeGenerator(tiny_model("llama"), IdTokenizer(), cost=given).cost() is given
+    cached.write_text("{not json")
+    SpeculativeGenerator(tiny_model("llama", seed=1), IdTokenizer()).cost()
+    assert len(measured) == 2 and json.loads(cached.read_text())["key"]["dtype"] == "float32"  # measured, rewritten
+
+
+def test_no_calibration_when_nothing_is_drafted_or_the_size_is_fixed(home: Path, measured: list[str]) -> None:
+    from crest.drafters.protocol import NoneDrafter
+
+    model = tiny_model("llama")
+    SpeculativeGenerator(model, IdTokenizer()).generate([1, 2], max_new_tokens=3)
+    SpeculativeGenerator(model, IdTokenizer()).generate([1, 2], drafter=NoneDrafter(), max_new_tokens=3)
+    SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=4).generate([1, 2], drafter=NoneDrafter())
+    assert measured == []
+
+    class Chain:
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft:
+            return Draft(np.array([3, 4]), np.array([-1, 0], dtype=np.int32), np.array([2, 1]))
+
+    SpeculativeGenerator(model, IdTokenizer()).generate([1, 2], drafter=Chain(), max_new_tokens=3)
+    assert measured == ["torch.float32"]  # a drafter that drafts: calibrated before the timed generation
+
+
+@pytest.mark.parametrize("change", ["dtype", "threads", "config"], ids=["dtype", "threads", "config"])
+def test_a_changed_dtype_thread_count_or_model_invalidates_the_cache(
+    home: Path, measured: list[str], change: str
+) -> None:
+    calibrate_small(tiny_model("llama"))
+    assert len(measured) == 1
+    if change == "dtype":
+        calibrate_small(tiny_model("llama", dtype=torch.bfloat16))
+    elif change == "threads":
+        torch.set_num_threads(2)  # the torch_threads fixture restores the count
+        calibrate_small(tiny_model("llama"))
+    else:
+        calibrate_small(tiny_model("llama", hidden=48))
+    assert len(measured) == 2
+    assert len(list((home / "calibration").glob("*.json"))) == 2
+    calibrate_small(tiny_model("llama"))  # the first key is still cached beside the new one
+    assert len(measured) == 2
+
+
+def test_an_unwritable_home_only_costs_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, measured: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CREST_HOME", str(tmp_path / "file"))  # a file: no directory can be made under it
+    with caplog.at_level(logging.WARNING, logger="crest.decoding.sizing"):
+        cost = calibrate_small(tiny_model("llama"))
+    assert (cost.seconds > 0).all() and len(measured) == 1
+    assert any("cannot cache the draft cost model" in r.getMessage() for r in caplog.records)
 
 
 def test_sizing_learns_that_underweighted_drafts_pay_off() -> None:
@@ -88,8 +189,8 @@ def test_sizing_learns_that_underweighted_drafts_pay_off() -> None:
             weights = [10, 10, *[max(1, 10 >> i) for i in range(1, len(truth))]]
             return Draft(np.array(tokens), np.array(parents, dtype=np.int32), np.array(weights))
 
-    gen = SpeculativeGenerator(model, IdTokenizer())
-    gen._cost = CostModel([1, 2, 4, 8], [1.0, 1.45, 1.8, 2.4])  # at the prior 0.5 no draft pays
+    cost = CostModel([1, 2, 4, 8], [1.0, 1.45, 1.8, 2.4])  # at the prior 0.5 no draft pays
+    gen = SpeculativeGenerator(model, IdTokenizer(), cost=cost)
     got = gen.generate(prompt, drafter=Humble(), max_new_tokens=80)
     assert got.output_token_ids == want
     assert got.forward_passes < 0.5 * got.new_tokens, got.accepted_per_step

@@ -40,11 +40,9 @@ from crest.bench.datastores import (
     stdlib_files,
 )
 from crest.config import IngestOptions, resolve_model_spec
-from crest.drafters.merged import MergedDrafter
-from crest.drafters.prompt import PromptDrafter
 from crest.drafters.protocol import Drafter, NoneDrafter
-from crest.drafters.registry import NAMES
-from crest.drafters.store import StoreDrafter
+from crest.drafters.registry import NAMES, make_drafter
+from crest.drafters.trie import match_path
 from crest.errors import ConfigError, CorpusError
 
 SETTINGS = ("chat", "code")
@@ -112,16 +110,7 @@ class Replay:
 
 def matched_depth(draft: Draft, truth: Sequence[int]) -> int:
     """Return the depth of the longest draft path equal to a prefix of `truth` (what greedy verification accepts)."""
-    parents = draft.parents.tolist()
-    tokens = draft.tokens.tolist()
-    depth = [0] * len(tokens)
-    ok = [False] * len(tokens)
-    best = 0
-    for i, (token, up) in enumerate(zip(tokens, parents, strict=True)):  # parents precede children
-        depth[i] = depth[up] + 1 if up >= 0 else 1
-        ok[i] = (up < 0 or ok[up]) and depth[i] <= len(truth) and token == truth[depth[i] - 1]
-        best = max(best, depth[i]) if ok[i] else best
-    return best
+    return len(match_path(draft, truth))
 
 
 def replay(
@@ -186,23 +175,14 @@ def _generator(model: Any, tokenizer: Any, *, max_draft_tokens: int | None, cost
     """Return a fresh generator (its own acceptance estimate) sharing the calibrated cost model."""
     from crest.decoding.generator import SpeculativeGenerator
 
-    gen = SpeculativeGenerator(model, tokenizer, max_draft_tokens=max_draft_tokens)
-    gen._cost = cost  # calibrated once per model; each drafter keeps its own acceptance statistics
-    return gen
+    # the cost model is calibrated once per model; each drafter keeps its own acceptance statistics
+    return SpeculativeGenerator(model, tokenizer, max_draft_tokens=max_draft_tokens, cost=cost)
 
 
 def _drafter(name: str, variant: Variant | None, *, stores: dict[str, Any], indexes: dict[str, Any]) -> Drafter:
-    from crest.drafters.suffix_array import RestDrafter
-
-    if name == "none":
-        return NoneDrafter()
-    if name == "prompt":
-        return PromptDrafter()
-    assert variant is not None
-    if name == "rest":
-        return RestDrafter(indexes[variant.name])
-    crest = StoreDrafter(stores[variant.name])
-    return crest if name == "crest" else MergedDrafter(crest, PromptDrafter())
+    """Return the registry's drafter `name` on the store or REST index of `variant`."""
+    key = variant.name if variant else ""
+    return make_drafter(name, store=stores.get(key), rest_index=indexes.get(key))
 
 
 def _pct_ms(values: Sequence[float], q: float) -> float:
@@ -379,7 +359,7 @@ def ablate(
                 with Store.connect(dsn, name, tokenizer_fingerprint=fingerprint, timeout=1.0, pool_size=1) as store:
                     for ids, ref in zip(prompt_ids[:count], references[:count], strict=True):
                         r = replay(
-                            StoreDrafter(store),
+                            make_drafter("crest", store=store),
                             ids,
                             ref,
                             max_nodes=opts.max_nodes,

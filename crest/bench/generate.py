@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,16 +47,18 @@ def bench_generate(
     dtype: str = "float32",
     max_draft_tokens: int | None = None,
     records: Any = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> list[DrafterFigures]:
     """Generate every prompt with `model.generate` and each drafter, interleaved, and compare.
 
     `records`, a text stream, receives one JSON line per prompt and drafter as soon as it is measured, so a long
-    run that is stopped early still leaves its figures.
+    run that is stopped early still leaves its figures. `on_progress` receives a line when the draft cost model
+    has to be calibrated (not cached yet for this model, device, dtype and thread count).
     """
-    from crest.bench.generate import generate_plain
     from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
+    from crest.decoding.sizing import calibrate
     from crest.drafters.registry import open_drafter
     from crest.ingest.tokenizer import load_tokenizer
 
@@ -66,13 +68,11 @@ def bench_generate(
         name: open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
         for name in drafters
     }
+    cost = calibrate(loaded.model, on_progress=on_progress) if drafters and max_draft_tokens is None else None
     gens = {  # one per drafter: each learns its own acceptance estimate; the cost model is shared
-        name: SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens)
+        name: SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens, cost=cost)
         for name in drafters
     }
-    cost = next(iter(gens.values())).cost() if gens else None
-    for gen in gens.values():
-        gen._cost = cost
     done: list[dict[str, Any]] = []
 
     def record(

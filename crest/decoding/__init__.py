@@ -1,11 +1,12 @@
 """Decoding: target models, the tree layout of a draft, lossless acceptance, draft sizing and the generator."""
 
-from crest.decoding.generator import GenerationResult, SpeculativeGenerator
+from crest.decoding.generator import DecodeState, GenerationResult, SpeculativeGenerator
 from crest.decoding.models import LoadedModel, load_model
 from crest.decoding.sizing import CostModel, calibrate, choose_draft_size
 
 __all__ = [
     "CostModel",
+    "DecodeState",
     "GenerationResult",
     "LoadedModel",
     "SpeculativeGenerator",

@@ -1,4 +1,4 @@
-"""Tree-attention speculative generation that is exactly lossless.
+"""Tree-attention speculative generation that is exactly lossless, as a few small named steps.
 
 Each step feeds the last accepted token (the root) and the whole draft tree, laid out breadth-first, to the
 target model in one forward pass on top of its KV cache: a 4-D additive mask lets each node see the prefix
@@ -7,8 +7,9 @@ are the root's position plus the node's depth. The longest root-to-node path the
 accepted, plus the target's own next token; the accepted path's KV entries are moved into place and the rest
 dropped, with no recomputation. Greedy output equals plain greedy decoding; with sampling, each node's token
 is drawn from the target's processed distribution and the walk follows the child that matches
-(`crest.sampling`), so the output distribution is the target's own. Draft sizes come from `crest.sizing`.
-
+(`crest.decoding.sampling`), so the output distribution is the target's own. Draft sizes come from
+`crest.decoding.sizing`. A request is a `DecodeState`; `generate` runs `start`, `prefill`, then `step` (`draft`,
+`verify`, `accept`, `commit`) until the state is done, and `finish`; a scheduler can drive the same steps per row.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from crest_client.draft import Draft
+from crest_client.draft import Draft, empty_draft
 
 from crest.decoding.cache import compact_cache
 from crest.decoding.models import check_supported
@@ -35,7 +36,7 @@ from crest.decoding.sampling import (
 from crest.decoding.sizing import CostModel, calibrate, choose_draft_size, path_probabilities
 from crest.decoding.text import TextTracker
 from crest.decoding.tree import additive_mask, check_draft, limit_depth, tree_inputs, tree_mask
-from crest.drafters.protocol import Drafter
+from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,35 @@ class GenerationResult:
         return asdict(self)
 
 
+@dataclass
+class DecodeState:
+    """One request between steps: its context and output, KV cache, sampling options, counters and timers."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    text: TextTracker
+    rng: torch.Generator
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    context: list[int] = field(default_factory=list)  # prompt + out: what the drafter sees
+    out: list[int] = field(default_factory=list)
+    cache: Any = None  # the target's KV cache of context[:-1]
+    accepted_per_step: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    started: float = 0.0  # perf_counter at prefill
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    seconds: float = 0.0  # prefill to done
+    stop_reason: str | None = None  # None while running, then length | eos | stop | context
+
+    @property
+    def done(self) -> bool:
+        """Return whether the request has stopped."""
+        return self.stop_reason is not None
+
+
 class SpeculativeGenerator:
     """Generates with a drafter and a Hugging Face causal LM, one target forward per step."""
 
@@ -87,7 +117,13 @@ class SpeculativeGenerator:
         max_draft_tokens: int | None = None,
         adaptive: bool = True,
         draft_budget: int = 64,
+        cost: CostModel | None = None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> None:
+        """Wrap a loaded model; `cost` is the forward cost model (None: calibrated when first needed).
+
+        `on_progress` receives one line when that calibration has to measure (nothing is printed otherwise).
+        """
         check_supported(model)
         if max_draft_tokens is not None and max_draft_tokens < 0:
             raise ConfigError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
@@ -96,6 +132,7 @@ class SpeculativeGenerator:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive and max_draft_tokens is None
         self.draft_budget = max_draft_tokens if max_draft_tokens is not None else draft_budget
+        self.on_progress = on_progress
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.mask_dtype = self.dtype if self.dtype.is_floating_point else torch.float32
@@ -104,7 +141,7 @@ class SpeculativeGenerator:
         self.max_positions = int(getattr(config, "max_position_embeddings", None) or 1 << 30)
         self.eos_ids = eos_ids(model, tokenizer)
         self._windows = _mask_windows(config)
-        self._cost: CostModel | None = None
+        self._cost = cost
         self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
         self._idle = 0  # steps since a draft was last verified
         self._failed_drafters: set[int] = set()
@@ -115,53 +152,10 @@ class SpeculativeGenerator:
         return float(np.clip((self._accepted + 0.5) / (self._predicted + 1.0), 0.05, 1.5))
 
     def cost(self) -> CostModel:
-        """Return the measured forward cost model (calibrating once per model, device and dtype)."""
+        """Return the forward cost model: the one passed in, else calibrated (cached per model, device, dtype)."""
         if self._cost is None:
-            self._cost = calibrate(self.model)
+            self._cost = calibrate(self.model, on_progress=self.on_progress)
         return self._cost
-
-    def _warn_once(self, drafter: Drafter, message: str) -> None:
-        if id(drafter) not in self._failed_drafters:
-            self._failed_drafters.add(id(drafter))
-            log.warning("drafter %s: %s (no draft this step)", type(drafter).__name__, message)
-
-    def _draft(self, drafter: Drafter | None, context: list[int], depth_room: int) -> tuple[Draft, float]:
-        """Return the draft to verify this step and its weight-predicted accepted nodes."""
-        if drafter is None or depth_room <= 0 or self.draft_budget <= 0:
-            return _EMPTY, 0.0
-        try:
-            draft = drafter.draft(context, self.draft_budget)
-            if draft is None or len(draft) == 0:
-                return _EMPTY, 0.0
-            check_draft(draft, self.vocab)
-        except Exception as exc:  # a failing drafter costs a step's draft, never the generation
-            self._warn_once(drafter, f"{type(exc).__name__}: {exc}")
-            return _EMPTY, 0.0
-        draft = limit_depth(draft.truncate(self.draft_budget), depth_room)
-        size = len(draft)
-        if self.adaptive:
-            size = choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale)
-            self._idle = 0 if size else self._idle + 1
-            if not size and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY):
-                # without verified drafts the acceptance estimate cannot learn: now and then trust the weights
-                trusted = choose_draft_size(draft, self.cost(), acceptance_scale=1.0)
-                size, self._idle = max(1, min(trusted, EXPLORE_NODES)), 0
-        predicted = float(path_probabilities(draft)[:size].sum())  # normalised over the whole draft
-        return draft.truncate(size), predicted
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor], cache: Any) -> Any:
-        mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))
-        return self.model(ids, past_key_values=cache, attention_mask=mask, position_ids=pos, use_cache=True).logits[0]
-
-    def _check_request(self, prompt: list[int], max_new_tokens: int) -> None:
-        if not prompt:
-            raise ModelError("the prompt has no tokens")
-        if min(prompt) < 0 or max(prompt) >= self.vocab:
-            raise ModelError(f"a prompt token id is outside the model's vocabulary of {self.vocab}")
-        if len(prompt) >= self.max_positions:
-            raise ModelError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_positions}")
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be positive, got {max_new_tokens}")
 
     @torch.no_grad()
     def generate(
@@ -178,89 +172,180 @@ class SpeculativeGenerator:
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`; greedy when temperature is 0."""
-        from transformers import DynamicCache
+        state = self.start(
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            on_text=on_text,
+        )
+        if self.adaptive and drafter is not None and not isinstance(drafter, NoneDrafter):
+            self.cost()  # calibrate (or load the calibration) outside the timed generation
+        self.prefill(state)
+        while not state.done:
+            self.step(state, drafter)
+        return self.finish(state)
 
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+    ) -> DecodeState:
+        """Check a request and return its state, before any forward."""
         prompt = [int(t) for t in prompt_ids]
         self._check_request(prompt, max_new_tokens)
         check_sampling(temperature=temperature, top_p=top_p, top_k=top_k)
-        sampling = temperature > 0
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        if self.adaptive and drafter is not None:
-            self.cost()  # calibrate once, outside the timed generation
-        text = TextTracker(self.tokenizer, stop=stop, on_text=on_text)
-        out: list[int] = []
-        accepted_steps: list[int] = []
-        draft_s = verify_s = prefill_s = 0.0
-        drafted = 0
-        stop_reason = "length"
-        start = time.perf_counter()
-        cache = DynamicCache()
-        if len(prompt) > 1:
-            self.model(torch.tensor([prompt[:-1]], device=self.device), past_key_values=cache, use_cache=True)
-            prefill_s = time.perf_counter() - start
-        context = list(prompt)
-        while True:
-            past = len(context) - 1
-            # a path of depth d needs positions up to past + d and emits d + 1 tokens
-            room = min(self.max_positions - len(context) - 1, max_new_tokens - len(out) - 1)
-            t0 = time.perf_counter()
-            draft, predicted = self._draft(drafter, context, room)
-            t1 = time.perf_counter()
-            ids, pos, tokens, parent_slot = tree_inputs(context[-1], draft, past, device=self.device)
-            masks = self._masks(parent_slot, pos, past)
-            logits = self._forward(ids, pos, masks, cache)  # [T+1, V]
-            kids = children_of(parent_slot, tokens)
-            if sampling:
-                probs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-                picks = sample_nodes(probs, generator)  # one host sync per step
-            else:
-                picks = logits.argmax(dim=-1).tolist()  # one host sync per step
-            slots, new = accept_greedy(picks, kids)
-            draft_s += t1 - t0
-            verify_s += time.perf_counter() - t1
-            drafted += len(draft)
-            if len(draft):
-                self._accepted = 0.95 * self._accepted + len(slots)
-                self._predicted = 0.95 * self._predicted + predicted
-            before = len(out)
-            new = new[: max_new_tokens - before]
-            hit = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
-            if hit is not None:
-                new, stop_reason = new[: hit + 1], "eos"
-            out.extend(new)
-            end = text.stop_at(out, before)
-            if end is not None:
-                del out[end:]
-                stop_reason = "stop"
-            accepted_steps.append(len(out) - before)
-            context = prompt + out
-            text.push(out)
-            if stop_reason != "length" or len(out) >= max_new_tokens:
-                break
-            if len(context) >= self.max_positions:
-                stop_reason = "context"
-                break
-            compact_cache(cache, past, slots)
-        seconds = time.perf_counter() - start
-        text.push(out, final=True)
-        steps = max(1, len(accepted_steps))
-        return GenerationResult(
-            prompt_token_ids=prompt,
-            output_token_ids=out,
-            text=text.decode(out),
-            new_tokens=len(out),
-            forward_passes=len(accepted_steps),
-            mean_accepted_length=len(out) / steps,
-            draft_seconds=draft_s,
-            verify_seconds=verify_s + prefill_s,
-            tokens_per_second=len(out) / seconds if seconds > 0 else 0.0,
-            stop_reason=stop_reason,
-            draft_tokens=drafted,
-            accepted_per_step=accepted_steps,
-            seconds=seconds,
-            prefill_seconds=prefill_s,
+        rng = torch.Generator(device=self.device)
+        rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        return DecodeState(
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            text=TextTracker(self.tokenizer, stop=stop, on_text=on_text),
+            rng=rng,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            context=list(prompt),
         )
+
+    @torch.no_grad()
+    def prefill(self, state: DecodeState) -> None:
+        """Start the clock and fill a fresh KV cache with the prompt but its last token (the first root)."""
+        from transformers import DynamicCache
+
+        state.started = time.perf_counter()
+        state.cache = DynamicCache()
+        if len(state.prompt) > 1:
+            ids = torch.tensor([state.prompt[:-1]], device=self.device)  # [1, P-1]
+            self.model(ids, past_key_values=state.cache, use_cache=True)
+            state.prefill_seconds = time.perf_counter() - state.started
+
+    def step(self, state: DecodeState, drafter: Drafter | None) -> None:
+        """Run one decoding step: draft, verify root + tree in one forward, accept a path, commit it."""
+        t0 = time.perf_counter()
+        draft, predicted = self.draft(state, drafter)
+        t1 = time.perf_counter()
+        logits, kids = self.verify(state, draft)
+        slots, new = self.accept(state, logits, kids)
+        state.draft_seconds += t1 - t0
+        state.verify_seconds += time.perf_counter() - t1
+        state.draft_tokens += len(draft)
+        if len(draft):
+            self._accepted = 0.95 * self._accepted + len(slots)
+            self._predicted = 0.95 * self._predicted + predicted
+        self.commit(state, new, slots)
+
+    def draft(self, state: DecodeState, drafter: Drafter | None) -> tuple[Draft, float]:
+        """Return the draft to verify this step, cut to the room left, and its weight-predicted accepted nodes."""
+        # a path of depth d needs positions up to past + d and emits d + 1 tokens
+        room = min(self.max_positions - len(state.context) - 1, state.max_new_tokens - len(state.out) - 1)
+        if drafter is None or room <= 0 or self.draft_budget <= 0:
+            return empty_draft(), 0.0
+        try:
+            draft = drafter.draft(state.context, self.draft_budget)
+            if draft is None or len(draft) == 0:
+                return empty_draft(), 0.0
+            check_draft(draft, self.vocab)
+        except Exception as exc:  # a failing drafter costs a step's draft, never the generation
+            self._warn_once(drafter, f"{type(exc).__name__}: {exc}")
+            return empty_draft(), 0.0
+        draft = limit_depth(draft.truncate(self.draft_budget), room)
+        size = self._draft_size(draft) if self.adaptive else len(draft)
+        predicted = float(path_probabilities(draft)[:size].sum())  # normalised over the whole draft
+        return draft.truncate(size), predicted
+
+    @torch.no_grad()
+    def verify(self, state: DecodeState, draft: Draft) -> tuple[torch.Tensor, list[dict[int, int]]]:
+        """Return the target's logits [T+1, V] at the root and every node (one forward) and each slot's children."""
+        past = len(state.context) - 1
+        ids, pos, tokens, parent_slot = tree_inputs(state.context[-1], draft, past, device=self.device)
+        logits = self._forward(ids, pos, self._masks(parent_slot, pos, past), state.cache)  # [T+1, V]
+        return logits, children_of(parent_slot, tokens)
+
+    def accept(
+        self, state: DecodeState, logits: torch.Tensor, kids: list[dict[int, int]]
+    ) -> tuple[list[int], list[int]]:
+        """Return (accepted slots, emitted tokens): the target's pick at each node, walked from the root."""
+        if state.temperature > 0:
+            probs = process_logits(logits, temperature=state.temperature, top_k=state.top_k, top_p=state.top_p)
+            picks = sample_nodes(probs, state.rng)  # one host sync per step
+        else:
+            picks = logits.argmax(dim=-1).tolist()  # one host sync per step
+        return accept_greedy(picks, kids)
+
+    def commit(self, state: DecodeState, new: list[int], slots: list[int]) -> None:
+        """Append the emitted tokens up to eos, a stop string or a limit, stream the text, compact the cache."""
+        past, before = len(state.context) - 1, len(state.out)
+        new = new[: state.max_new_tokens - before]
+        hit = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+        if hit is not None:
+            new, state.stop_reason = new[: hit + 1], "eos"
+        state.out.extend(new)
+        end = state.text.stop_at(state.out, before)
+        if end is not None:
+            del state.out[end:]
+            state.stop_reason = "stop"
+        state.accepted_per_step.append(len(state.out) - before)
+        state.context = state.prompt + state.out
+        state.text.push(state.out)
+        if state.stop_reason is None and len(state.out) >= state.max_new_tokens:
+            state.stop_reason = "length"
+        elif state.stop_reason is None and len(state.context) >= self.max_positions:
+            state.stop_reason = "context"
+        if state.done:
+            state.seconds = time.perf_counter() - state.started
+        else:
+            compact_cache(state.cache, past, slots)
+
+    def finish(self, state: DecodeState) -> GenerationResult:
+        """Stream the rest of the text and return the request's output and figures."""
+        state.text.push(state.out, final=True)
+        out, seconds = state.out, state.seconds
+        return GenerationResult(
+            prompt_token_ids=state.prompt,
+            output_token_ids=out,
+            text=state.text.decode(out),
+            new_tokens=len(out),
+            forward_passes=len(state.accepted_per_step),
+            mean_accepted_length=len(out) / max(1, len(state.accepted_per_step)),
+            draft_seconds=state.draft_seconds,
+            verify_seconds=state.verify_seconds + state.prefill_seconds,
+            tokens_per_second=len(out) / seconds if seconds > 0 else 0.0,
+            stop_reason=state.stop_reason or "length",
+            draft_tokens=state.draft_tokens,
+            accepted_per_step=state.accepted_per_step,
+            seconds=seconds,
+            prefill_seconds=state.prefill_seconds,
+        )
+
+    def _draft_size(self, draft: Draft) -> int:
+        """Return how many of the draft's nodes pay for their verification (adaptive sizing)."""
+        size = choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale)
+        self._idle = 0 if size else self._idle + 1
+        if not size and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY):
+            # without verified drafts the acceptance estimate cannot learn: now and then trust the weights
+            trusted = choose_draft_size(draft, self.cost(), acceptance_scale=1.0)
+            size, self._idle = max(1, min(trusted, EXPLORE_NODES)), 0
+        return size
+
+    def _warn_once(self, drafter: Drafter, message: str) -> None:
+        if id(drafter) not in self._failed_drafters:
+            self._failed_drafters.add(id(drafter))
+            log.warning("drafter %s: %s (no draft this step)", type(drafter).__name__, message)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor], cache: Any) -> Any:
+        mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))
+        return self.model(ids, past_key_values=cache, attention_mask=mask, position_ids=pos, use_cache=True).logits[0]
 
     def _masks(self, parent_slot: np.ndarray, pos: torch.Tensor, past: int) -> dict[str, torch.Tensor]:
         """Return the additive tree mask for each attention type the model's layers use."""
@@ -269,6 +354,16 @@ class SpeculativeGenerator:
             kind: additive_mask(visible, pos, past, dtype=self.mask_dtype, window=window)
             for kind, window in self._windows.items()
         }
+
+    def _check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise ModelError("the prompt has no tokens")
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise ModelError(f"a prompt token id is outside the model's vocabulary of {self.vocab}")
+        if len(prompt) >= self.max_positions:
+            raise ModelError(f"the prompt has {len(prompt)} tokens; the model takes at most {self.max_positions}")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be positive, got {max_new_tokens}")
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -290,6 +385,3 @@ def _mask_windows(config: Any) -> dict[str, int | None]:
     if getattr(config, "model_type", None) == "mistral" and window:
         return {"full_attention": int(window)}
     return {"full_attention": None}
-
-
-_EMPTY = Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), 0)

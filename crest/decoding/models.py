@@ -9,9 +9,10 @@ user message into prompt token ids.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,13 +199,21 @@ def load_model(
 
 @contextmanager
 def _quiet_progress() -> Iterator[None]:
-    """Hide transformers' weight-loading progress bars for the duration of a load."""
+    """Hide transformers' weight-loading progress bars (its GGUF loader's plain tqdm too) during a load."""
     from transformers.utils import logging as hf_logging
 
+    gguf_loader: Any = None
+    with suppress(ImportError):
+        import transformers.modeling_gguf_pytorch_utils as gguf_loader
+    bar = getattr(gguf_loader, "tqdm", None)
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_loader.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_loader.tqdm = bar
         if was_enabled:
             hf_logging.enable_progress_bar()

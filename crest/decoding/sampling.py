@@ -69,10 +69,3 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
 def sample_nodes(probs: torch.Tensor, generator: torch.Generator | None = None) -> list[int]:
     """Return one token drawn independently from each row of `probs` [N, V] (one host transfer)."""
     return torch.multinomial(probs, 1, generator=generator).view(-1).tolist()
-
-
-def accept_sampled(
-    probs: torch.Tensor, kids: list[dict[int, int]], generator: torch.Generator | None = None
-) -> tuple[list[int], list[int]]:
-    """Return (accepted slots, emitted tokens): draw at each node, follow the child that matches."""
-    return accept_greedy(sample_nodes(probs, generator), kids)

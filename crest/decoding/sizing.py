@@ -2,7 +2,8 @@
 
 A forward of k tree tokens on top of a KV cache costs about the same for small k on a GPU and grows
 roughly linearly on a CPU, so the best draft size depends on the device. `calibrate` measures the cost
-curve once per (model, device, dtype) in this process; `choose_draft_size` estimates each node's
+curve once per model, device, dtype and torch thread count, and keeps it in `$CREST_HOME/calibration/`
+so that later runs load it instead of measuring again; `choose_draft_size` estimates each node's
 acceptance probability from the draft's weights (products of weight / parent-weight ratios along the
 path, scaled by an observed correction) and keeps the prefix slice that maximises expected new tokens
 per second: (1 + sum of the prefix's path probabilities) / cost(k + 1).
@@ -10,14 +11,23 @@ per second: (1 + sum of the prefix's path probabilities) / cost(k + 1).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from crest_client.draft import Draft
+from crest_client.draft import Draft, path_probabilities
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -44,20 +54,101 @@ class CostModel:
         return {"sizes": self.sizes.tolist(), "seconds": self.seconds.tolist()}
 
 
-_COSTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], CostModel]] = weakref.WeakKeyDictionary()
+_COSTS: weakref.WeakKeyDictionary[Any, dict[str, CostModel]] = weakref.WeakKeyDictionary()
 
 
 def calibrate(
-    model: Any, *, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256, repeats: int = 3
+    model: Any,
+    *,
+    sizes: Sequence[int] = CALIBRATION_SIZES,
+    context: int = 256,
+    repeats: int = 3,
+    on_progress: Callable[[str], None] | None = None,
 ) -> CostModel:
-    """Measure (once per model, device and dtype) the forward time of k tokens after a cache of `context`."""
-    param = next(model.parameters())
-    ident = (str(param.device), str(param.dtype))
+    """Return the model's cost curve: known in this process, else cached in CREST_HOME, else measured and saved.
+
+    `on_progress` receives one line before a measurement (a minute or two on a CPU); the same line is logged
+    at INFO on the `crest.decoding.sizing` logger.
+    """
+    key = calibration_key(model, sizes=sizes, context=context, repeats=repeats)
+    path = calibration_path(key)
     known = _COSTS.setdefault(model, {})
-    if ident in known:
-        return known[ident]
+    if path.name not in known:
+        cost = _load(path, key)
+        if cost is None:
+            line = (
+                f"calibrating the draft cost model for {key['model']} on {key['device']}/{key['dtype']} "
+                f"with {key['threads']} threads (once per model, device, dtype and thread count)..."
+            )
+            log.info(line)
+            if on_progress is not None:
+                on_progress(line)
+            cost = measure_costs(model, sizes=sizes, context=context, repeats=repeats)
+            _save(path, key, cost)
+        known[path.name] = cost
+    return known[path.name]
+
+
+def calibration_key(model: Any, *, sizes: Sequence[int], context: int, repeats: int) -> dict[str, Any]:
+    """Return what a cost curve depends on: the model (name, config hash, parameters), device, dtype, threads."""
+    param = next(model.parameters())
+    config = model.config
+    settings = config.to_dict() | {"attention": getattr(config, "_attn_implementation", None)}
+    settings.pop("_name_or_path", None)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    device = str(param.device)
+    if param.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(param.device)})"
+    return {
+        "model": str(getattr(config, "name_or_path", "") or config.model_type),
+        "config": digest[:16],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": device,
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "sizes": [int(k) for k in sizes],
+        "context": int(context),
+        "repeats": int(repeats),
+    }
+
+
+def calibration_path(key: dict[str, Any]) -> Path:
+    """Return the cache file of a calibration key: CREST_HOME/calibration/<model>-<hash of the key>.json."""
+    from crest_client.embedded import crest_home
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(key["model"]).name or "model")[:60]
+    return crest_home() / "calibration" / f"{slug}-{digest}.json"
+
+
+def _load(path: Path, key: dict[str, Any]) -> CostModel | None:
+    """Return the cached curve at `path` when it was measured under `key` (None: absent, stale or unreadable)."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("key") != key:
+            return None
+        return CostModel(saved["sizes"], saved["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _save(path: Path, key: dict[str, Any], cost: CostModel) -> None:
+    """Write the curve with its key atomically (a temporary file renamed); a failure only costs the cache."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            json.dump({"key": key, **cost.to_json()}, f, indent=1)
+        os.replace(f.name, path)
+    except OSError as exc:
+        log.warning("cannot cache the draft cost model in %s: %s", path.parent, exc)
+
+
+def measure_costs(model: Any, *, sizes: Sequence[int], context: int, repeats: int) -> CostModel:
+    """Measure the best of `repeats` forward times of k tokens after a cache of `context` tokens, per size k."""
     from transformers import DynamicCache
 
+    param = next(model.parameters())
     vocab = int(model.config.vocab_size)
     limit = int(getattr(model.config, "max_position_embeddings", None) or 1 << 20)
     sizes = sorted({max(1, min(int(k), limit // 2)) for k in sizes})
@@ -79,32 +170,12 @@ def calibrate(
                 best[k] = min(best[k], time.perf_counter() - t0)
                 for layer in cache.layers:  # drop the k entries just added
                     layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
-    seconds = [best[k] for k in sizes]
-    known[ident] = CostModel(sizes, seconds)
-    return known[ident]
+    return CostModel(sizes, [best[k] for k in sizes])
 
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def path_probabilities(draft: Draft) -> np.ndarray:
-    """Return each node's estimated probability of being accepted: weight / parent-weight products, at most 1.
-
-    A root child's share is its weight over `draft.total` when that is set and larger than the root children's sum.
-    """
-    weights = np.maximum(draft.weights.astype(np.float64), 0.0)  # [T]
-    roots = draft.parents < 0
-    total = max(float(weights[roots].sum()), float(draft.total)) or 1.0
-    prob = np.zeros(len(draft), dtype=np.float64)  # [T]
-    parents = draft.parents.tolist()
-    for i, p in enumerate(parents):
-        if p < 0:
-            prob[i] = weights[i] / total
-        else:
-            prob[i] = prob[p] * (min(1.0, weights[i] / weights[p]) if weights[p] > 0 else 0.0)
-    return prob
 
 
 def choose_draft_size(draft: Draft, cost: CostModel, *, acceptance_scale: float = 1.0) -> int:
