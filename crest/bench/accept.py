@@ -40,6 +40,7 @@ from crest.bench.datastores import (
     stdlib_files,
 )
 from crest.config import IngestOptions, resolve_model_spec
+from crest.decoding.sizing import calibrate
 from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import NAMES, make_drafter
 from crest.drafters.trie import match_path
@@ -229,7 +230,7 @@ def measure(
     fresh = {"tokens": 0, "steps": 0, "draft": [], "real_tokens": 0, "real_seconds": 0.0, "real_steps": 0, "exact": 0}
     acc: dict[str, dict[str, Any]] = {_key(k): {**fresh, "draft": []} for k in keys}
     base_tokens, base_seconds, checks = 0, 0.0, []
-    cost = _generator(model, tokenizer, max_draft_tokens=None, cost=None).cost() if timed and adaptive else None
+    cost = calibrate(model, on_progress=note) if timed and adaptive else None
     gens = {_key(k): _generator(model, tokenizer, max_draft_tokens=opts.max_draft_tokens, cost=cost) for k in timed}
     fixed = _generator(model, tokenizer, max_draft_tokens=opts.max_nodes, cost=None)
     references: list[list[int]] = []
