@@ -1,0 +1,103 @@
+"""`crest serve`: an OpenAI-compatible server with continuous batching, drafting from the store for every request.
+
+`run_serve` loads the model once, checks it can be batched, measures (or loads) the forward cost model, opens the default store (a database that
+is down only costs store drafts until it answers) and runs the FastAPI app under uvicorn, which drains
+in-flight requests on SIGTERM or Ctrl-C before the scheduler stops.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from crest.cli.options import Device, Dsn, Dtype, MaxDraftTokens, Model, OptionalStore
+
+
+def serve(
+    model: Model = "smollm2",
+    store: OptionalStore = None,
+    drafter: Annotated[
+        str, typer.Option(envvar="CREST_DRAFTER", help="none, prompt, crest or crest+prompt (per request: drafter).")
+    ] = "crest+prompt",
+    host: Annotated[str, typer.Option(envvar="CREST_HOST", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="CREST_PORT", help="Port to listen on.")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Requests decoded together at most (rows of a step).")] = 8,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting for a row at most; beyond: 429.")] = 64,
+    max_draft_tokens: MaxDraftTokens = None,
+    device: Device = "cpu",
+    dtype: Dtype = "float32",
+    api_key: Annotated[
+        str | None, typer.Option(envvar="CREST_API_KEY", help="Require 'Authorization: Bearer KEY' (not /health).")
+    ] = None,
+    dsn: Dsn = None,
+) -> None:
+    """Serve the OpenAI API (completions, chat completions) with continuous batching and store drafts."""
+    run_serve(
+        model=model,
+        store=store,
+        drafter=drafter,
+        host=host,
+        port=port,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        max_draft_tokens=max_draft_tokens,
+        device=device,
+        dtype=dtype,
+        api_key=api_key,
+        dsn=dsn,
+    )
+
+
+def run_serve(
+    *,
+    model: str,
+    store: str | None,
+    drafter: str,
+    host: str,
+    port: int,
+    max_batch: int,
+    max_queue: int,
+    max_draft_tokens: int | None,
+    device: str,
+    dtype: str,
+    api_key: str | None,
+    dsn: str | None,
+) -> None:
+    """Load the model, open the default store and serve until SIGTERM or Ctrl-C (in-flight requests finish)."""
+    import uvicorn
+
+    from crest.config import resolve_model_spec
+    from crest.decoding.models import load_model
+    from crest.decoding.sizing import calibrate
+    from crest.errors import ConfigError
+    from crest.ingest.tokenizer import load_tokenizer
+    from crest.serving.app import create_app
+    from crest.serving.batch import check_batchable
+    from crest.serving.engine import SERVED, Engine
+    from crest.serving.scheduler import Scheduler
+
+    if drafter.strip().lower() not in SERVED:
+        raise ConfigError(f"unknown --drafter {drafter!r}: the server drafts with one of {', '.join(SERVED)}")
+    if drafter.strip().lower() in ("crest", "crest+prompt") and not store:
+        raise ConfigError(f"--drafter {drafter} needs --store NAME (or use --drafter prompt)")
+    if max_batch < 1 or max_queue < 0 or not 0 < port < 65536:
+        raise ConfigError("--max-batch must be >= 1, --max-queue >= 0 and --port in 1..65535")
+    loaded = load_model(model, device=device, dtype=dtype)
+    check_batchable(loaded.model)
+    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    cost = None
+    if max_draft_tokens is None:
+        cost = calibrate(loaded.model, on_progress=lambda line: typer.echo(line, err=True))
+    scheduler = Scheduler(
+        loaded.model, loaded.tokenizer, max_batch=max_batch, max_queue=max_queue, max_draft_tokens=max_draft_tokens,
+        cost=cost,
+    )  # fmt: skip
+    engine = Engine(
+        scheduler, loaded.tokenizer, model_name=model, store=store, drafter=drafter, dsn=dsn, fingerprint=fingerprint
+    )
+    if store:
+        engine.store(store)  # a missing store or another tokenizer's fails now; a database that is down does not
+    app = create_app(engine, api_key=api_key)
+    typer.echo(f"serving {model} on http://{host}:{port}/v1 (max batch {max_batch})", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=600)

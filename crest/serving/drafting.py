@@ -1,0 +1,109 @@
+"""Drafting for a batch: one pipelined store round trip per store per step, and draft sizes that follow the batch.
+
+Each row drafts through its own drafter (a prompt drafter and a merged drafter keep per-request state), but
+the store part of every row reads from a `StoreLease`: before the rows draft, `prefetch` asks each shared
+`crest_client.Store` for the contexts of all rows that use it in one `draft_many` pipeline, and each lease
+hands its row's answer to the row's drafter. A store or database error costs those rows their store drafts
+only; a store whose database was down at start (a `PendingStore`) drafts nothing until it connects.
+
+`batch_draft_sizes` chooses how many nodes each row verifies: a batched forward of B rows padded to S slots
+costs about `cost(B * S)` (the measured cost of a forward of that many tokens), so it keeps the common cap k
+that maximises the batch's expected tokens per second, (B + sum of each row's expected accepted nodes within
+k) / cost(B * (1 + k)). As rows join, the same gain costs more and k shrinks, down to no draft at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import psycopg
+from crest_client.draft import Draft, path_probabilities
+
+from crest.decoding.sizing import CostModel
+from crest.errors import CrestClientError
+
+log = logging.getLogger(__name__)
+
+EXPLORE_EVERY = 16  # steps without a verified draft before a small one is verified anyway (to learn acceptance)
+
+EXPLORE_NODES = 4  # at most this many nodes per row in such a probe
+
+_STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)
+
+
+class StoreLease:
+    """One row's view of a shared store: the batch's prefetched answer for this row's context, else a lookup."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._ready: tuple[int, Draft | None] | None = None  # (context length, prefetched draft)
+
+    def put(self, context_length: int, draft: Draft | None) -> None:
+        """Hold the prefetched draft for the context of this length (taken by the next `draft`)."""
+        self._ready = (context_length, draft)
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int = 64) -> Draft | None:
+        """Return the prefetched draft for this context when there is one, else ask the store."""
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] == len(context_ids):
+            return ready[1].truncate(max_nodes) if ready[1] is not None else None
+        result: Draft | None = self.store.draft(context_ids, max_nodes=max_nodes)
+        return result
+
+
+def prefetch(leases: Sequence[StoreLease], contexts: Sequence[Sequence[int]], *, max_nodes: int) -> None:
+    """Look up every lease's context, one `draft_many` round trip per distinct store; errors give no drafts."""
+    groups: dict[int, list[int]] = {}
+    for i, lease in enumerate(leases):
+        groups.setdefault(id(lease.store), []).append(i)
+    for members in groups.values():
+        store = leases[members[0]].store
+        batch = [contexts[i] for i in members]
+        try:
+            drafts = _draft_many(store, batch, max_nodes)
+        except _STORE_ERRORS as exc:
+            log.debug("store lookup failed, no store drafts this step: %s", exc)
+            drafts = [None] * len(members)
+        for i, draft in zip(members, drafts, strict=True):
+            leases[i].put(len(contexts[i]), draft)
+
+
+def _draft_many(store: Any, contexts: list[Sequence[int]], max_nodes: int) -> list[Draft | None]:
+    """Return the store's drafts for all contexts in one pipeline (a pending store: none, and maybe a retry)."""
+    many = getattr(store, "draft_many", None)
+    if many is not None:
+        return list(many(contexts, max_nodes=max_nodes))
+    inner = getattr(store, "store", None)  # a PendingStore once its database answered
+    if inner is not None and hasattr(inner, "draft_many"):
+        return list(inner.draft_many(contexts, max_nodes=max_nodes))
+    return [store.draft(c, max_nodes) for c in contexts]  # a pending store: None, and a reconnection when due
+
+
+def batch_draft_sizes(drafts: Sequence[Draft], cost: CostModel, *, acceptance_scale: float = 1.0) -> list[int]:
+    """Return each row's draft size: the common cap that maximises the batch's expected tokens per second."""
+    rows = len(drafts)
+    if rows == 0:
+        return []
+    lengths = np.array([len(d) for d in drafts], dtype=np.int64)
+    top = int(lengths.max())
+    if top == 0:
+        return [0] * rows
+    gains = np.zeros((rows, top + 1), dtype=np.float64)  # [B, k+1] expected accepted nodes within cap k
+    for r, draft in enumerate(drafts):
+        if len(draft):
+            gain = np.cumsum(acceptance_scale * path_probabilities(draft))
+            gains[r, 1 : len(draft) + 1] = gain
+            gains[r, len(draft) + 1 :] = gain[-1]
+    caps = np.arange(top + 1)
+    widths = 1 + np.minimum(caps.reshape(-1, 1), lengths.reshape(1, -1)).max(axis=1)  # [k+1] slots S per cap
+    rate = (rows + gains.sum(axis=0)) / cost(rows * widths)
+    best = int(np.argmax(rate))  # the first maximum: no draft when nothing pays
+    return [int(min(best, n)) for n in lengths]
+
+
+def expected_nodes(draft: Draft, size: int) -> float:
+    """Return the weight-predicted accepted nodes among the draft's first `size` nodes."""
+    return float(path_probabilities(draft)[:size].sum()) if size else 0.0

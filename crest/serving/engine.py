@@ -1,0 +1,166 @@
+"""The engine behind the HTTP layer: the scheduler's thread, the shared stores, and each request's drafter.
+
+`Engine.start` runs the `Scheduler` in one background thread that owns the model; `stop` drains it. Stores are
+opened once per name (`open_store`: a database that is down gives a store that drafts nothing until it
+answers) and shared by every row that drafts from them, through a `StoreLease` per row so that the scheduler
+looks up a whole batch in one pipeline. A request's drafter is the registry's drafter on that lease, merged
+with a drafter over the request's predicted output when it has one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from crest_client.draft import Draft
+
+from crest.drafters.merged import MergedDrafter
+from crest.drafters.prompt import PromptDrafter
+from crest.drafters.registry import NAMES, check_drafter, make_drafter
+from crest.drafters.store import RETRY_INTERVAL, open_store
+from crest.errors import ConfigError, ModelError
+from crest.serving.drafting import StoreLease
+from crest.serving.scheduler import Request, Scheduler
+
+log = logging.getLogger(__name__)
+
+SERVED = tuple(name for name in NAMES if name != "rest")  # drafters a request may name
+
+
+class PredictionDrafter:
+    """Drafts from a predicted output: its start before any output, else after the output's suffix within it."""
+
+    def __init__(self, prediction: Sequence[int], prompt_length: int) -> None:
+        self.prediction = [int(t) for t in prediction]
+        self.prompt_length = prompt_length
+        self._lookup = PromptDrafter()
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return a chain of the prediction's first tokens, or the prompt-lookup tree over prediction + output."""
+        import numpy as np
+
+        out = list(context_ids[self.prompt_length :])
+        if not out:
+            chain = self.prediction[:max_nodes]
+            if not chain:
+                return None
+            n = len(chain)
+            return Draft(np.array(chain), np.arange(-1, n - 1, dtype=np.int32), np.full(n, 1, dtype=np.int64))
+        return self._lookup.draft(self.prediction + out, max_nodes)
+
+
+class Engine:
+    """The model's scheduler thread, the shared stores and the requests' drafters."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        store: str | None = None,
+        drafter: str = "crest+prompt",
+        dsn: str | None = None,
+        fingerprint: str | None = None,
+        retry_interval: float = RETRY_INTERVAL,
+    ) -> None:
+        self.retry_interval = retry_interval
+        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.default_store, self.dsn, self.fingerprint = store, dsn, fingerprint
+        self.default_drafter = drafter if store or drafter in ("none", "prompt") else "prompt"
+        self._stores: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self._thread = threading.Thread(target=self._run, name="crest-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, timeout: float | None = None) -> None:
+        """Refuse new requests, finish those in flight, stop the thread and close the stores."""
+        self.scheduler.close()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            try:
+                store.close()
+            except Exception as exc:
+                log.debug("closing a store: %s", exc)
+
+    @property
+    def alive(self) -> bool:
+        """Return whether the scheduler thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def store(self, name: str) -> Any:
+        """Return the shared store `name`, opening it once (StoreNotFound, FingerprintMismatch, InvalidName)."""
+        with self._lock:
+            found = self._stores.get(name)
+            if found is None:
+                found = self._stores[name] = open_store(
+                    name, dsn=self.dsn, fingerprint=self.fingerprint, retry_interval=self.retry_interval
+                )
+            return found
+
+    def encode(self, prompt: str | list[int] | list[str]) -> list[int]:
+        """Return a completion prompt's token ids (text or ids)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = str(prompt[0])
+        if isinstance(prompt, str):
+            return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
+        return [int(t) for t in prompt]
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Return the chat template's token ids for (role, text) messages, with the assistant header."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ModelError("the model's tokenizer has no chat template: use /v1/completions")
+        turns = [{"role": "system" if role == "developer" else role, "content": text} for role, text in messages]
+        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def request(
+        self,
+        prompt: list[int],
+        *,
+        drafter: str | None,
+        store: str | None,
+        prediction: str | None,
+        **options: Any,
+    ) -> Request:
+        """Return the scheduler request with its drafter (and store leases) for these options."""
+        name = (drafter or self.default_drafter).strip().lower()
+        if name not in SERVED:
+            raise ConfigError(f"unknown drafter {drafter!r}: this server drafts with one of {', '.join(SERVED)}")
+        store_name = store or self.default_store
+        if name in ("crest", "crest+prompt") and not store_name:
+            raise ConfigError(f'drafter {name!r} needs a store: give "store" or start the server with --store')
+        check_drafter(name, store=store_name or None)
+        leases: list[StoreLease] = []
+        part = None
+        if name in ("crest", "crest+prompt"):
+            assert store_name is not None  # checked above
+            lease = StoreLease(self.store(store_name))
+            leases.append(lease)
+            part = lease
+        base = make_drafter(name, store=part) if name != "none" else None
+        if prediction:
+            ids = [int(t) for t in self.tokenizer.encode(prediction, add_special_tokens=False)]
+            predicted = PredictionDrafter(ids, len(prompt))
+            base = predicted if base is None else MergedDrafter(base, predicted)
+        return Request(prompt, drafter=base, leases=leases, **options)
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.run(self._stop)
+        except BaseException:
+            log.exception("the scheduler thread died")
+            raise

@@ -1,0 +1,72 @@
+"""Prometheus metrics of a server: requests, tokens, accepted tokens per step, draft latency, queue depth, batch size.
+
+One `ServerMetrics` per server, on its own `CollectorRegistry` (so several servers in one process, as in the
+tests, never clash); `GET /metrics` renders it in the Prometheus text format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's counters, gauges and histograms; the scheduler reports into it from its thread."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "crest_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("crest_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("crest_completion_tokens", "Generated tokens of finished requests", registry=r)
+        self.draft_tokens = Counter("crest_draft_tokens", "Verified draft tokens by result", ["result"], registry=r)
+        self.accepted_per_step = Histogram(
+            "crest_accepted_tokens_per_step",
+            "Draft tokens accepted per row per step",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.draft_seconds = Histogram(
+            "crest_draft_seconds",
+            "Seconds spent drafting for a whole batch per step",
+            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+            registry=r,
+        )
+        self.queue_depth = Gauge("crest_queue_depth", "Requests waiting for a batch row", registry=r)
+        self.batch_size = Gauge("crest_batch_size", "Rows in the batch", registry=r)
+        self.steps = Counter("crest_steps", "Batched decoding steps (one target forward each)", registry=r)
+
+    def observe_step(self, *, rows: int, accepted: list[int], draft_seconds: float) -> None:
+        """Record one batched step."""
+        self.steps.inc()
+        self.batch_size.set(rows)
+        self.draft_seconds.observe(draft_seconds)
+        for n in accepted:
+            self.accepted_per_step.observe(n)
+
+    def observe_done(self, outcome: Any) -> None:
+        """Record a finished request's tokens."""
+        result = outcome.result
+        self.prompt_tokens.inc(len(result.prompt_token_ids))
+        self.completion_tokens.inc(result.new_tokens)
+        self.draft_tokens.labels("accepted").inc(outcome.accepted_draft_tokens)
+        self.draft_tokens.labels("rejected").inc(outcome.rejected_draft_tokens)
+
+    def observe_queue(self, *, queued: int, active: int) -> None:
+        """Record the queue depth and batch size between steps."""
+        self.queue_depth.set(queued)
+        self.batch_size.set(active)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """Count one HTTP request."""
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        """Return the metrics in the Prometheus text format."""
+        return bytes(generate_latest(self.registry))

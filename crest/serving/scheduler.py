@@ -1,0 +1,353 @@
+"""Continuous batching: a plain class whose `step()` admits requests, drafts, verifies every row in one forward.
+
+`Scheduler.submit` checks a request (in the caller's thread: bad options raise at once) and queues it,
+returning a `concurrent.futures.Future` of its `Outcome`; text streams through the request's `on_text` as it is
+accepted. Each `step()` admits waiting requests up to `max_batch` (each prefilled alone and merged into the
+`BatchCache`), drops cancelled rows, drafts for all rows (stores looked up in one pipeline per store), sizes
+the drafts for the batch, runs one target forward, accepts per row exactly as `SpeculativeGenerator` does
+(its own `accept` and `commit` steps: greedy argmax, or the row's own seeded generator) and finishes rows that
+stopped. One row's failure fails that request only. `run()` loops `step()` in the thread that owns the model;
+`close()` drains. Tests drive `step()` directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from crest_client.draft import Draft, empty_draft
+
+from crest.decoding.generator import DecodeState, GenerationResult, SpeculativeGenerator
+from crest.decoding.sampling import accept_greedy, children_of
+from crest.decoding.sizing import CostModel
+from crest.decoding.tree import check_draft, limit_depth
+from crest.drafters.protocol import Drafter
+from crest.errors import CrestError
+from crest.serving.batch import BatchCache, TreeRow
+from crest.serving.drafting import EXPLORE_EVERY, EXPLORE_NODES, StoreLease, batch_draft_sizes, expected_nodes, prefetch
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(CrestError):
+    """The server's queue of waiting requests is full: retry later."""
+
+
+class ShuttingDown(CrestError):
+    """The server is draining and takes no new requests."""
+
+
+@dataclass
+class Request:
+    """One completion request for the scheduler: prompt ids, sampling options, its drafter and callbacks."""
+
+    prompt: list[int]
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    drafter: Drafter | None = None
+    leases: Sequence[StoreLease] = ()  # the store views inside `drafter`, filled once per step for the batch
+    on_text: Callable[[str], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Outcome:
+    """A finished request: its generation result and how many draft tokens were accepted and rejected."""
+
+    result: GenerationResult
+    accepted_draft_tokens: int
+    rejected_draft_tokens: int
+    cancelled: bool = False
+
+
+@dataclass
+class _Row:
+    """A request in the batch: its request, decode state, future and draft counters."""
+
+    request: Request
+    state: DecodeState
+    future: Future[Outcome]
+    accepted: int = 0
+    failed_drafter: bool = False
+
+
+class _NoCache:
+    """The per-request cache slot of a batched row: its KV entries live in the `BatchCache`."""
+
+    layers: tuple[Any, ...] = ()
+
+
+class Scheduler:
+    """Serves many requests with one model: continuous batching with per-row tree verification."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_draft_tokens: int | None = None,
+        draft_budget: int = 64,
+        cost: CostModel | None = None,
+        metrics: Any = None,
+    ) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise CrestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        self.gen = SpeculativeGenerator(model, tokenizer, max_draft_tokens=max_draft_tokens, cost=cost)
+        self.batch = BatchCache(model)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.budget = max_draft_tokens if max_draft_tokens is not None else draft_budget
+        self.adaptive = max_draft_tokens is None
+        self.metrics = metrics
+        self._inbox: queue.Queue[_Row] = queue.Queue()
+        self._waiting: deque[_Row] = deque()
+        self._rows: list[_Row] = []
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet admitted
+        self._wake = threading.Event()
+        self._closing = False
+        self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
+        self._idle = 0
+        self._ids = itertools.count()
+
+    @property
+    def active(self) -> int:
+        """Return the number of rows in the batch."""
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Return the number of requests waiting for a row."""
+        return self._queued
+
+    @property
+    def acceptance_scale(self) -> float:
+        """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
+        return float(min(1.5, max(0.05, (self._accepted + 0.5) / (self._predicted + 1.0))))
+
+    def submit(self, request: Request) -> Future[Outcome]:
+        """Check and queue a request; raise ConfigError/ModelError on bad input, QueueFull, or ShuttingDown."""
+        if self._closing:
+            raise ShuttingDown("the server is shutting down")
+        state = self.gen.start(
+            request.prompt,
+            max_new_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            stop=request.stop,
+            on_text=request.on_text,
+        )
+        with self._lock:
+            if self._queued >= self.max_queue + max(0, self.max_batch - len(self._rows)):
+                raise QueueFull(f"{self._queued} requests are waiting (--max-queue {self.max_queue})")
+            self._queued += 1
+        row = _Row(request, state, Future())
+        row.future.set_running_or_notify_cancel()
+        self._inbox.put(row)
+        self._wake.set()
+        return row.future
+
+    def step(self) -> bool:
+        """Admit, draft, verify and accept one step for every row; return whether any work was done."""
+        self._admit()
+        self._drop_cancelled()
+        self._report_depth()
+        if not self._rows:
+            return False
+        with torch.no_grad():
+            self._decode()
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until `stop` is set and nothing is left (the drain); sleep while idle."""
+        while True:
+            try:
+                worked = self.step()
+            except Exception as exc:  # a scheduler bug fails the requests in flight, never the server
+                log.exception("scheduler step failed; failing the requests in flight")
+                self._reset(exc)
+                worked = True
+            if stop.is_set() and not self._rows and not self._waiting and self._inbox.empty():
+                return
+            if not worked:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def close(self) -> None:
+        """Refuse new requests from now on (`run` then drains what is in flight)."""
+        self._closing = True
+        self._wake.set()
+
+    def _reset(self, exc: BaseException) -> None:
+        """Fail every row in the batch and start from an empty batch cache."""
+        for row in self._rows:
+            self._fail(row, exc)
+        self._rows = []
+        self.batch = BatchCache(self.gen.model)
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        while self._waiting and len(self._rows) < self.max_batch:
+            row = self._waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            if row.request.cancelled.is_set():
+                self._finish(row, cancelled=True)
+                continue
+            try:
+                row.state.started = time.perf_counter()
+                self.batch.prefill(row.state.prompt)
+                row.state.prefill_seconds = time.perf_counter() - row.state.started
+                row.state.cache = _NoCache()
+            except Exception as exc:
+                self._fail(row, exc)
+                continue
+            self._rows.append(row)
+
+    def _drop_cancelled(self) -> None:
+        gone = [i for i, row in enumerate(self._rows) if row.request.cancelled.is_set()]
+        for i in gone:
+            self._finish(self._rows[i], cancelled=True)
+        self._remove(gone)
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        drafts, predicted = self._draft()
+        t1 = time.perf_counter()
+        trees = [TreeRow(row.state.context[-1], draft) for row, draft in zip(self._rows, drafts, strict=True)]
+        try:
+            logits, tokens, parents = self.batch.forward(trees)  # [B, S, V]
+        except Exception as exc:  # a failed forward fails the batch's requests, never the server
+            log.error("batched forward failed: %s", exc)
+            for row in self._rows:
+                self._fail(row, exc)
+            self._remove(list(range(len(self._rows))))
+            return
+        greedy = logits.argmax(dim=-1).tolist()  # [B, S]: one host sync for all greedy rows
+        accepted: list[list[int]] = []
+        emitted: list[list[int]] = []
+        for r, row in enumerate(self._rows):
+            kids = children_of(parents[r], tokens[r])
+            if row.state.temperature > 0:
+                slots, new = self.gen.accept(row.state, logits[r, : len(tokens[r])], kids)
+            else:
+                slots, new = accept_greedy(greedy[r], kids)
+            accepted.append(slots)
+            emitted.append(new)
+        self.batch.commit(accepted)
+        if any(len(d) for d in drafts):
+            self._accepted = 0.95 * self._accepted + sum(len(a) for a in accepted)
+            self._predicted = 0.95 * self._predicted + predicted
+        seconds = time.perf_counter() - t1
+        done: list[int] = []
+        for r, row in enumerate(self._rows):
+            state = row.state
+            state.draft_seconds += t1 - t0
+            state.verify_seconds += seconds
+            state.draft_tokens += len(drafts[r])
+            row.accepted += len(accepted[r])
+            try:
+                self.gen.commit(state, emitted[r], accepted[r])
+            except Exception as exc:  # a tokenizer or stop-string failure ends this request only
+                self._fail(row, exc)
+                done.append(r)
+                continue
+            if state.done:
+                self._finish(row)
+                done.append(r)
+        if self.metrics is not None:
+            self.metrics.observe_step(rows=len(self._rows), accepted=[len(a) for a in accepted], draft_seconds=t1 - t0)
+        self._remove(done)
+
+    def _draft(self) -> tuple[list[Draft], float]:
+        """Return each row's draft, cut to its room and sized for the batch, and the expected accepted nodes."""
+        rows = self._rows
+        room = [self._room(row.state) for row in rows]
+        if self.budget <= 0:
+            return [empty_draft() for _ in rows], 0.0
+        leases = [(lease, row.state.context) for row in rows for lease in row.request.leases]
+        if leases:
+            prefetch([lease for lease, _ in leases], [ctx for _, ctx in leases], max_nodes=self.budget)
+        drafts = [self._row_draft(row, n) for row, n in zip(rows, room, strict=True)]
+        if not self.adaptive or not any(len(d) for d in drafts):
+            return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
+        scale = self.acceptance_scale
+        sizes = batch_draft_sizes(drafts, self.gen.cost(), acceptance_scale=scale)
+        self._idle = 0 if any(sizes) else self._idle + 1
+        if not any(sizes) and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(rows)):
+            # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
+            # often as the batch grows, since every row then pads to the probe's width)
+            sizes, self._idle = [min(len(d), EXPLORE_NODES) for d in drafts], 0
+        predicted = sum(expected_nodes(d, k) for d, k in zip(drafts, sizes, strict=True))
+        return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], predicted
+
+    def _row_draft(self, row: _Row, room: int) -> Draft:
+        drafter = row.request.drafter
+        if drafter is None or room <= 0:
+            return empty_draft()
+        try:
+            draft = drafter.draft(row.state.context, self.budget)
+            if draft is None or len(draft) == 0:
+                return empty_draft()
+            check_draft(draft, self.gen.vocab)
+        except Exception as exc:  # a failing drafter costs this row its draft, never the request
+            if not row.failed_drafter:
+                row.failed_drafter = True
+                log.warning("drafter %s: %s: %s (no draft)", type(drafter).__name__, type(exc).__name__, exc)
+            return empty_draft()
+        return limit_depth(draft.truncate(self.budget), room)
+
+    def _room(self, state: DecodeState) -> int:
+        # a path of depth d needs positions up to past + d and emits d + 1 tokens
+        return min(self.gen.max_positions - len(state.context) - 1, state.max_new_tokens - len(state.out) - 1)
+
+    def _remove(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        self.batch.remove(indices)
+        gone = set(indices)
+        self._rows = [row for i, row in enumerate(self._rows) if i not in gone]
+
+    def _finish(self, row: _Row, *, cancelled: bool = False) -> None:
+        state = row.state
+        if not state.seconds and state.started:
+            state.seconds = time.perf_counter() - state.started
+        try:
+            result = self.gen.finish(state)
+        except Exception as exc:
+            self._fail(row, exc)
+            return
+        outcome = Outcome(result, row.accepted, state.draft_tokens - row.accepted, cancelled=cancelled)
+        if self.metrics is not None:
+            self.metrics.observe_done(outcome)
+        row.future.set_result(outcome)
+
+    def _fail(self, row: _Row, exc: BaseException) -> None:
+        if not isinstance(exc, CrestError):
+            log.warning("request failed: %s: %s", type(exc).__name__, exc)
+        if not row.future.done():
+            row.future.set_exception(exc)
+
+    def _report_depth(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_queue(queued=self._queued, active=len(self._rows))

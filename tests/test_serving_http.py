@@ -1,0 +1,468 @@
+"""The server for real: uvicorn in a thread on a free port, a real Postgres store, the `openai` client and raw HTTP.
+
+The model is a tiny random llama over the real SmolLM2 tokenizer (its chat template included), so every
+request runs in milliseconds and greedy outputs can be checked against `model.generate` of the prompt alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from crest.config import IngestOptions
+from crest.ingest.pipeline import ingest
+from crest.serving.app import StopText, create_app
+from crest.serving.engine import Engine
+from crest.serving.scheduler import Scheduler
+from tests.fix_models import tiny_model
+
+pytest_plugins = ["tests.fix_corpus"]
+
+CORPUS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 20
+
+
+class Running:
+    """A server running in a thread: its base URL, engine and model."""
+
+    def __init__(self, app: Any, engine: Engine, model: Any, tokenizer: Any) -> None:
+        self.engine, self.model, self.tokenizer = engine, model, tokenizer
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+
+    def client(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def reference(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+        return [int(t) for t in out[0, len(prompt_ids) :]]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def tiny_served(smollm2_tokenizer: Any) -> Iterator[Any]:
+    """A tiny random llama over the SmolLM2 vocabulary, served on one torch thread (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield tiny_model("llama", vocab=len(smollm2_tokenizer.hf), max_positions=2048, dtype=torch.float64)
+    finally:
+        torch.set_num_threads(before)
+
+
+def start(model: Any, tokenizer: Any, dsn: str | None, *, store: str | None = None, **kw: Any) -> Running:
+    api_key = kw.pop("api_key", None)
+    sched = Scheduler(model, tokenizer.hf, cost=kw.pop("cost", None) or _flat(), **kw)
+    engine = Engine(
+        sched, tokenizer.hf, model_name="tiny", store=store, drafter="crest+prompt" if store else "prompt", dsn=dsn,
+        fingerprint=tokenizer.fingerprint,
+    )  # fmt: skip
+    return Running(create_app(engine, api_key=api_key), engine, model, tokenizer.hf)
+
+
+def _flat() -> Any:
+    from crest.decoding.sizing import CostModel
+
+    return CostModel([1, 64], [1.0, 1.0])
+
+
+@pytest.fixture
+def served(
+    db_dsn: str, tiny_served: Any, smollm2_tokenizer: Any, smollm2_gguf: Path, tmp_path: Path
+) -> Iterator[Running]:
+    corpus = tmp_path / "code.jsonl"
+    corpus.write_text(json.dumps({"text": CORPUS}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="code", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
+    running = start(tiny_served, smollm2_tokenizer, db_dsn, store="code", max_batch=4)
+    yield running
+    running.stop()
+
+
+def test_completions_are_exact_streamed_or_not(served: Running) -> None:
+    client = served.client()
+    prompt = "def add(a, b):\n    return"
+    ids = served.tokenizer.encode(prompt, add_special_tokens=False)
+    want = served.tokenizer.decode(served.reference(ids, 12), skip_special_tokens=True)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == want
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 12
+    assert whole.usage.total_tokens == len(ids) + 12
+    details = whole.usage.completion_tokens_details
+    assert details is not None and details.accepted_prediction_tokens is not None
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streamed_and_not(served: Running) -> None:
+    client = served.client()
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add two numbers."}]
+    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = served.tokenizer.decode(served.reference(ids, 10), skip_special_tokens=True)
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10, temperature=0)
+    assert whole.choices[0].message.content == want
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
+def test_per_request_store_and_prediction(served: Running) -> None:
+    client = served.client()
+    prompt = "def sub(a, b):\n"
+    plain = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"drafter": "none"}
+    )
+    text = plain.choices[0].text
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    stored = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"store": "code", "drafter": "crest"}
+    )
+    assert stored.choices[0].text == text
+    predicted = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"prediction": {"type": "content", "content": text}, "drafter": "none"},
+    )
+    assert predicted.choices[0].text == text
+    assert predicted.usage is not None and predicted.usage.completion_tokens_details is not None
+    assert (predicted.usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 8  # the prediction was right
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "match"),
+    [
+        ({"prompt": "x", "n": 2}, 400, "n > 1"),
+        ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"prompt": "x", "store": "nosuch"}, 404, "nosuch"),
+        ({"prompt": "x", "store": "bad name"}, 400, "name"),
+        ({"prompt": "x", "drafter": "rest"}, 400, "drafter"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "stop": [""]}, 400, "stop"),
+        ({"prompt": "x", "seed": -1}, 400, "seed"),
+        ({"prompt": [70000]}, 400, "vocabulary"),
+    ],
+    ids=[
+        "n",
+        "logprobs",
+        "wrong-type",
+        "unknown-field",
+        "unknown-store",
+        "bad-store-name",
+        "rest",
+        "temperature",
+        "stop",
+        "seed",
+        "out-of-vocab",
+    ],
+)
+def test_bad_requests_get_openai_errors(served: Running, body: dict[str, Any], status: int, match: str) -> None:
+    r = httpx.post(f"{served.url}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert match in error["message"] and error["type"]
+
+
+def test_seeded_sampling_repeats(served: Running) -> None:
+    client = served.client()
+    texts = [
+        client.completions.create(model="t", prompt="def", max_tokens=12, temperature=0.9, seed=seed).choices[0].text
+        for seed in (7, 7, 8)
+    ]
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_bad_json_and_tools(served: Running) -> None:
+    r = httpx.post(f"{served.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    r = httpx.post(
+        f"{served.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    )
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+
+
+def test_models_health_metrics(served: Running) -> None:
+    assert served.client().models.list().data[0].id == "tiny"
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+    served.client().completions.create(model="tiny", prompt="def", max_tokens=3, temperature=0)
+    text = httpx.get(f"{served.url}/metrics").text
+    for name in ("crest_requests_total", "crest_completion_tokens_total", "crest_accepted_tokens_per_step_bucket",
+                 "crest_draft_seconds_bucket", "crest_queue_depth", "crest_batch_size"):  # fmt: skip
+        assert name in text
+    assert 'crest_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+
+
+def test_disconnect_frees_the_row(served: Running) -> None:
+    body = {"prompt": "def", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body) as r:
+        next(r.iter_lines())
+        assert served.engine.scheduler.active == 1
+    deadline = time.monotonic() + 10
+    while served.engine.scheduler.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert served.engine.scheduler.active == 0
+
+
+def test_api_key_and_queue_bound(tiny_served: Any, smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    running = start(tiny_served, smollm2_tokenizer, None, api_key="sekrit", max_batch=1, max_queue=0)
+    try:
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        r = httpx.get(f"{running.url}/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            running.client("wrong").models.list()
+        assert running.client("sekrit").models.list().data
+        gate = threading.Event()
+        step = running.engine.scheduler.step
+        monkeypatch.setattr(running.engine.scheduler, "step", lambda: gate.wait() and step())
+        first = threading.Thread(
+            target=lambda: running.client("sekrit").completions.create(model="t", prompt="a", max_tokens=2)
+        )
+        first.start()
+        while running.engine.scheduler.queued == 0:
+            time.sleep(0.01)
+        r = httpx.post(
+            f"{running.url}/v1/completions", json={"prompt": "b"}, headers={"Authorization": "Bearer sekrit"}
+        )
+        assert (
+            r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        )
+        gate.set()
+        first.join(30)
+    finally:
+        running.stop()
+
+
+def test_database_down_gives_the_same_output(tiny_served: Any, smollm2_tokenizer: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    running = start(
+        tiny_served, smollm2_tokenizer, f"postgresql://u@127.0.0.1:{port}/db?connect_timeout=1", store="code"
+    )
+    try:
+        client = running.client()
+        a = client.completions.create(model="t", prompt="def add(a, b):", max_tokens=10, temperature=0)
+        b = client.completions.create(
+            model="t", prompt="def add(a, b):", max_tokens=10, temperature=0, extra_body={"drafter": "none"}
+        )
+        assert a.choices[0].text == b.choices[0].text
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "sent"),
+    [
+        (["ab", "cS", "TOPx"], ["STOP"], "abc"),
+        (["abS", "Tx"], ["STOP"], "abSTx"),
+        (["a", "b"], [], "ab"),
+        (["xEN", "D"], ["END", "N"], "xE"),
+        (["xEND"], ["N", "END"], "x"),
+    ],
+    ids=["split-stop", "false-start", "no-stops", "first-completed", "earliest-in-a-piece"],
+)
+def test_stop_text_cuts_at_the_first_stop(pieces: list[str], stops: list[str], sent: str) -> None:
+    cut = StopText(stops)
+    assert "".join(cut.feed(p) for p in pieces) + cut.flush() == sent
+
+
+SERVER_SCRIPT = """
+import sys, torch, uvicorn
+sys.path.insert(0, {root!r})
+from tests.fix_models import IdTokenizer, tiny_model
+from crest.decoding.sizing import CostModel
+from crest.serving.app import create_app
+from crest.serving.engine import Engine
+from crest.serving.scheduler import Scheduler
+torch.set_num_threads(1)
+model = tiny_model("llama", vocab=64, max_positions=4096)
+sched = Scheduler(model, IdTokenizer(), cost=CostModel([1, 64], [1.0, 1.0]))
+engine = Engine(sched, IdTokenizer(), model_name="tiny", drafter="none")
+uvicorn.run(create_app(engine), host="127.0.0.1", port={port}, log_level="warning")
+"""
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT.format(root=root, port=port)], stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.1)
+        body = {"prompt": [1, 2, 3], "max_tokens": 600, "temperature": 0, "stream": True}
+        lines: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    proc.send_signal(signal.SIGTERM)
+                lines.append(line)
+        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+        last = json.loads([x for x in lines if x.startswith("data: {")][-1][6:])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+        assert b"Traceback" not in (proc.stderr.read() if proc.stderr else b"")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+class Proxy:
+    """A TCP front for the test Postgres's unix socket that can be switched off (refusing) and on again."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.target = socket_path
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.listener: socket.socket | None = None
+        self.open: list[socket.socket] = []
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        for conn in self.open:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        self.open = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self.target)
+            self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def test_database_down_at_start_then_back_then_down(
+    db_dsn: str, tiny_served: Any, smollm2_tokenizer: Any, smollm2_gguf: Path, tmp_path: Path
+) -> None:
+    import glob
+
+    import psycopg
+
+    corpus = tmp_path / "code.jsonl"
+    corpus.write_text(json.dumps({"text": CORPUS}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="code", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
+    info = psycopg.conninfo.conninfo_to_dict(db_dsn)
+    proxy = Proxy(glob.glob(f"{info['host']}/.s.PGSQL.*")[0])
+    dsn = f"postgresql://{info['user']}@127.0.0.1:{proxy.port}/{info['dbname']}"
+    sched = Scheduler(tiny_served, smollm2_tokenizer.hf, cost=_flat())
+    engine = Engine(sched, smollm2_tokenizer.hf, model_name="t", store="code", drafter="crest", dsn=dsn,
+                    fingerprint=smollm2_tokenizer.fingerprint, retry_interval=0.2)  # fmt: skip
+    running = Running(create_app(engine), engine, tiny_served, smollm2_tokenizer.hf)
+    try:
+        client = running.client()
+        prompt = "def add(a, b):\n    return a + b\n\ndef"
+        want = client.completions.create(
+            model="t", prompt=prompt, max_tokens=12, temperature=0, extra_body={"drafter": "none"}
+        )
+
+        def ask() -> tuple[str, int]:
+            got = client.completions.create(model="t", prompt=prompt, max_tokens=12, temperature=0)
+            assert got.usage is not None and got.usage.completion_tokens_details is not None
+            details = got.usage.completion_tokens_details
+            return got.choices[0].text, (details.accepted_prediction_tokens or 0) + (
+                details.rejected_prediction_tokens or 0
+            )
+
+        assert ask() == (want.choices[0].text, 0)  # down at start: no store drafts, same output
+        proxy.up()
+        deadline = time.monotonic() + 20
+        while (found := ask())[1] == 0:  # back: drafts once the background retry connected
+            assert found[0] == want.choices[0].text
+            assert time.monotonic() < deadline, "the store never came back"
+            time.sleep(0.1)
+        assert found[0] == want.choices[0].text
+        proxy.down()
+        engine.store("code").store.clear_cache()
+        assert ask()[0] == want.choices[0].text  # down again: same output
+    finally:
+        running.stop()
+        proxy.down()
