@@ -1,8 +1,8 @@
 """`crest serve`: an OpenAI-compatible server with continuous batching, drafting from the store for every request.
 
-`run_serve` loads the model once, checks it can be batched, measures (or loads) the forward cost model, opens the default store (a database that
-is down only costs store drafts until it answers) and runs the FastAPI app under uvicorn, which drains
-in-flight requests on SIGTERM or Ctrl-C before the scheduler stops.
+`run_serve` loads the model once, checks it can be batched, measures (or loads) the forward cost model, opens
+the default store (a database that is down only costs store drafts until it answers) and runs the FastAPI app
+under uvicorn, which drains in-flight requests on SIGTERM or Ctrl-C before the scheduler stops.
 """
 
 from __future__ import annotations
