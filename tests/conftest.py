@@ -1,14 +1,28 @@
-"""Test-wide settings: a private CREST_HOME so tests never touch the user's data or embedded server."""
+"""Test-wide settings: a private CREST_HOME so tests never touch the user's data or embedded server, removed at the
+end, and hypothesis profiles.
+
+Hypothesis profiles: `ci` (loaded when `CI` is set) derandomizes every property test (the examples follow from
+the test's name, so a CI failure happens again on any machine) and prints the blob that replays a failing
+example (`@reproduce_failure`); `dev` (the default) draws fresh examples each run and prints that blob too.
+`CREST_HYPOTHESIS_PROFILE=ci|dev` picks one explicitly. To replay a failure from CI, run the test locally with
+`CREST_HYPOTHESIS_PROFILE=ci` or paste the printed `@reproduce_failure(...)` decorator onto the test.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 _HOME = Path(tempfile.mkdtemp(prefix="crest-tests-home-"))
+
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("CREST_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -19,4 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     from crest_client.embedded import stop_embedded
 
-    stop_embedded(_HOME)
+    try:
+        stop_embedded(_HOME)
+    finally:
+        shutil.rmtree(_HOME, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""Corpus fixtures: small corpus files of every format in tmp_path, and real and tiny tokenizers.
+"""Corpus fixtures: small corpus files of every format in tmp_path, real and tiny tokenizers, and hypothesis
+strategies for small token corpora split into documents.
 
 Load with `-p tests.fix_corpus` (or `pytest_plugins = ["tests.fix_corpus"]` in a test module). The writers
 are plain functions too, so property tests can make files inside a hypothesis example.
@@ -11,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from crest.ingest.tokenizer import Tokenizer, load_tokenizer
 
@@ -148,3 +151,19 @@ def files_dir(tmp_path: Path) -> Path:
             ".git/config": "never read either",
         },
     )
+
+
+@st.composite
+def corpora(draw: st.DrawFn) -> tuple[list[list[int]], int]:
+    """Draw (documents, vocab size): a few short documents over a small vocabulary, empty ones included."""
+    vocab = draw(st.integers(1, 6))
+    docs = draw(st.lists(st.lists(st.integers(0, vocab - 1), max_size=25), min_size=1, max_size=6))
+    return docs, vocab
+
+
+def flatten(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Return the flat int32 token array and int64 document offsets of `docs`."""
+    tokens = np.array([t for d in docs for t in d], dtype=np.int32)
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    return tokens, offsets

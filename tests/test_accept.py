@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,38 @@ def _corpus(root: Path, model_dir: Path) -> Path:
     return write_tree(root / "corpus", files)
 
 
+def spy_measure(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Record the prompts, model and reference continuations `run_accept` measures with (the last call)."""
+    import crest.bench.accept
+
+    real = crest.bench.accept.measure
+    seen: dict[str, Any] = {}
+
+    def spy(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        measured = real(*args, **kwargs)
+        seen.update(loaded=kwargs["loaded"], prompt_ids=kwargs["prompt_ids"], references=measured["references"])
+        return measured
+
+    monkeypatch.setattr(crest.bench.accept, "measure", spy)
+    return seen
+
+
+def assert_references_are_model_generate(seen: dict[str, Any], max_new_tokens: int) -> None:
+    """The reference every `exact` count compares with (crest's loop without drafts) is `model.generate`'s output.
+
+    A row's `exact` counts the prompts whose speculative output equals that reference; the `none` row's is the
+    reference itself. With this check, `exact == prompts` means: equal to Hugging Face greedy decoding.
+    """
+    from crest.bench.generate import generate_plain
+
+    model, tokenizer = seen["loaded"].model, seen["loaded"].tokenizer
+    want = [
+        generate_plain(model, tokenizer, ids, max_new_tokens=max_new_tokens).output_token_ids
+        for ids in seen["prompt_ids"]
+    ]
+    assert seen["references"] == want
+
+
 def test_matched_depth_follows_the_greedy_path() -> None:
     # root children 5 and 6; 5 -> 7 -> 9, 5 -> 8
     draft = Draft(np.array([5, 6, 7, 8, 9]), np.array([-1, -1, 0, 0, 2], dtype=np.int32), np.array([5, 4, 3, 2, 1]), 1)
@@ -68,7 +101,7 @@ def test_replay_counts_steps() -> None:
     assert r.new_tokens == len(out) and 1 <= r.steps < len(out) and len(r.draft_seconds) == r.steps
 
 
-def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path) -> None:
+def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = write_jsonl(
         tmp_path / "prompts.jsonl",
         [{"prompt": text} for text in PROMPTS],
@@ -87,7 +120,9 @@ def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path) -> None
     )
     out = tmp_path / "out"
     argv = ["crest", "bench", "accept", "--out", str(out)]
+    seen = spy_measure(monkeypatch)
     results = run_accept(opts, model=str(tiny_dir), dsn=db_dsn, out=out, argv=argv)
+    assert_references_are_model_generate(seen, opts.max_new_tokens)
     saved = json.loads((out / "accept.json").read_text())
     assert saved["command"] == "crest bench accept --out " + str(out)
     assert {"python", "torch", "transformers", "crest"} <= set(saved["versions"])
@@ -99,7 +134,7 @@ def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path) -> None
         assert row["mean_accepted_length"] >= 1.0
         assert row["draft_ms_median"] >= 0 and row["draft_ms_p99"] >= row["draft_ms_median"]
         assert row["real"] is not None and row["real"]["tokens_per_second"] > 0
-        assert row["real"]["exact"] == 3  # speculative greedy output equals plain greedy output
+        assert row["real"]["exact"] == 3  # speculative greedy output equals the reference, i.e. model.generate
     none = next(r for r in rows if r["drafter"] == "none")
     assert none["mean_accepted_length"] == 1.0 and none["real"]["speedup"] == 1.0
     rest = sorted((r for r in rows if r["drafter"] == "rest"), key=lambda r: r["percent"])
@@ -158,7 +193,9 @@ def test_bench_accept_chat_setting(
         timing="all",
     )
     out = tmp_path / "out"
+    seen = spy_measure(monkeypatch)
     results = run_accept(opts, model=str(chat_dir), dsn=db_dsn, out=out, argv=["crest", "bench", "accept"])
+    assert_references_are_model_generate(seen, opts.max_new_tokens)
     assert results["benchmark"] == "accept" and results["setting"] == "chat" and results["options"]["chat"]
     assert results["corpus"]["heldout_conversations"] == 2
     assert results["prompts"] == 2 + 2  # the MT-Bench first turns, then the held-out conversations' first turns

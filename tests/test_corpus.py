@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -318,12 +320,40 @@ def test_missing_and_unknown_format_fail_before_reading(tmp_path: Path, sharegpt
         iter_documents([str(sharegpt_file), str(tmp_path / "missing.json")])
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_file(tmp_path: Path) -> None:
-    path = write_tree(tmp_path, {"secret.txt": "x"}) / "secret.txt"
-    path.chmod(0)
-    with pytest.raises(CorpusError, match="permission denied"):
-        iter_documents(str(path))
+def _without_file_override() -> None:
+    """In a child about to exec: drop the capabilities that let root read any file (no-op for other users)."""
+    if os.geteuid() != 0:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: gone from the bounding set, lost at exec
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="drops Linux capabilities when run as root")
+@pytest.mark.parametrize("where", ["file", "in-directory"], ids=["file", "in-directory"])
+def test_unreadable_file(tmp_path: Path, where: str) -> None:
+    """A file the process truly cannot open (mode 0; as root, in a child without the file-override capability)."""
+    tree = write_tree(tmp_path / "tree", {"a.txt": "readable", "secret.txt": "x"})
+    (tree / "secret.txt").chmod(0)
+    spec = str(tree / "secret.txt") if where == "file" else str(tree)
+    code = (
+        "import sys\n"
+        "from crest.errors import CorpusError\n"
+        "from crest.ingest.corpus import iter_documents\n"
+        "try:\n"
+        "    list(iter_documents(sys.argv[1]))\n"
+        "except CorpusError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, spec], preexec_fn=_without_file_override, capture_output=True, text=True
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.strip() == f"cannot read {str(tree / 'secret.txt')!r}: permission denied"
 
 
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")

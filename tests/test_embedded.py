@@ -28,9 +28,30 @@ def _version(dsn: str) -> str:
     return str(row[0])
 
 
-def test_crest_home_honours_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("CREST_HOME", str(tmp_path / "x"))
-    assert crest_home() == tmp_path / "x"
+@pytest.mark.skipif(sys.platform != "linux", reason="the XDG user data dir is Linux's")
+def test_crest_home_is_the_environment_else_the_user_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.setenv("CREST_HOME", "~/crest-data")
+    assert crest_home() == tmp_path / "user" / "crest-data"
+    monkeypatch.delenv("CREST_HOME")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert crest_home() == tmp_path / "xdg" / "crest"
+
+
+def test_server_start_and_stop_use_crest_home(home: Path) -> None:
+    """`crest server start` puts the server's data in $CREST_HOME/pgdata; `crest server stop` stops that server."""
+    env = {**os.environ, "CREST_HOME": str(home)}
+    started = subprocess.run([sys.executable, "-m", "crest.cli", "server", "start"], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert (home / "pgdata" / "postmaster.pid").exists()
+    assert _version(started.stdout.strip())
+    stopped = subprocess.run([sys.executable, "-m", "crest.cli", "server", "stop"], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert (stopped.returncode, stopped.stdout) == (0, "stopped\n"), stopped.stderr
+    assert not (home / "pgdata" / "postmaster.pid").exists()
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(started.stdout.strip(), connect_timeout=2).close()
 
 
 def test_second_process_finds_the_running_server(home: Path) -> None:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,11 +154,16 @@ def wait_for_unlocked_builds(dsn: str, timeout: float = 30.0) -> None:
     pytest.fail("a killed ingest's session still holds its lock")
 
 
+def ingest_command(corpus: Path, tokenizer: Path) -> list[str]:
+    """Return the `crest ingest` command line that builds store `words` from `corpus` with `OPTIONS`."""
+    args = [sys.executable, "-m", "crest.cli", "ingest", str(corpus), "--store", "words", "--tokenizer", str(tokenizer)]
+    return args + ["--top-t", "1000", "--max-n", "3", "--continuation-length", "4", "--quiet"]
+
+
 def start_paused_ingest(corpus: Path, tokenizer: Path, dsn: str, home: Path, stage: str) -> subprocess.Popen[str]:
     """Start `crest ingest` that pauses at `stage`; return it once it says it has reached that stage."""
     env = {**os.environ, "CREST_DATABASE_URL": dsn, "CREST_HOME": str(home), "CREST_FAULT_PAUSE": stage}
-    args = [sys.executable, "-m", "crest.cli", "ingest", str(corpus), "--store", "words", "--tokenizer", str(tokenizer)]
-    args += ["--top-t", "1000", "--max-n", "3", "--continuation-length", "4"]
+    args = ingest_command(corpus, tokenizer)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stderr is not None
@@ -184,8 +190,11 @@ def start_paused_ingest(corpus: Path, tokenizer: Path, dsn: str, home: Path, sta
     pytest.fail(f"ingest never reached stage {stage!r}: {''.join(said)[-2000:]}")
 
 
+INGEST_STAGES = [stage for stage in FAULT_STAGES if stage != "clean"]  # "clean": the next test
+
+
 @pytest.mark.slow  # a `crest ingest` subprocess per stage, about 10 s each
-@pytest.mark.parametrize("stage", FAULT_STAGES, ids=FAULT_STAGES)
+@pytest.mark.parametrize("stage", INGEST_STAGES, ids=INGEST_STAGES)
 def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_cleans_up(
     db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
 ) -> None:
@@ -210,7 +219,7 @@ def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_clea
         wait_for_unlocked_builds(db_dsn)
         time.sleep(0.2)  # and the state the kill left
         assert visible_state(db_dsn) == before, f"killed at {stage}, the previous version changed"
-        if stage in ("build", "load", "publish"):
+        if stage in ("build", "load", "index", "publish"):
             left = leftovers(db_dsn)
             assert len(left["versions"]) == len(left["table_versions"]) == 2, "the killed build is left to clean"
         seen_killed = len(reader.seen)
@@ -231,6 +240,144 @@ def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_clea
     }
     assert visible_state(db_dsn)["rows"] == {new.store_id: new.rows}
     assert snapshot(db_dsn, "words") != old_snapshot
+
+
+def kill(proc: subprocess.Popen[str], dsn: str) -> None:
+    """SIGKILL a paused ingest and wait until the server has ended its session (and released its locks)."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    wait_for_unlocked_builds(dsn)
+
+
+@pytest.mark.slow  # three `crest ingest` subprocesses
+@pytest.mark.parametrize("leftover", ["killed-build", "retired-version"], ids=["killed-build", "retired-version"])
+def test_ingest_killed_while_cleaning_up_leftovers_leaves_a_store_the_next_ingest_cleans(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leftover: str
+) -> None:
+    """SIGKILL inside `clean_leftovers` (a version detached, its tables not yet dropped), at the start of an
+    ingest removing a killed build's leftovers, or at its end removing the version it has just replaced."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("CREST_HOME", str(home))
+    tok = str(word_tokenizer_dir)
+    new_corpus = write_corpus(tmp_path / "new.jsonl", NEW_TEXT)
+    reference = ingest([str(new_corpus)], store="reference", tokenizer=tok, dsn=db_dsn, options=OPTIONS).store_id
+    old = ingest([str(write_corpus(tmp_path / "old.jsonl", OLD_TEXT))], store="words", tokenizer=tok, dsn=db_dsn,
+                 options=OPTIONS)  # fmt: skip
+    old_snapshot, new_snapshot = snapshot(db_dsn, "words"), snapshot(db_dsn, "reference")
+    initial = visible_state(db_dsn)
+    reader = Reader(db_dsn, "words")
+    reader.start()
+    try:
+        if leftover == "killed-build":  # a build killed while loading, then an ingest killed while removing it
+            kill(start_paused_ingest(new_corpus, word_tokenizer_dir, db_dsn, home, "load"), db_dsn)
+            killed = leftovers(db_dsn)
+            kill(start_paused_ingest(new_corpus, word_tokenizer_dir, db_dsn, home, "clean"), db_dsn)
+            assert leftovers(db_dsn) == killed, "the build's leftovers are intact, for the next ingest"
+            assert [state for _, state in killed["versions"]] == ["published", "published", "building"]
+            assert visible_state(db_dsn) == initial
+            expect = old_snapshot
+        else:  # an ingest that published, killed while removing the version it replaced
+            kill(start_paused_ingest(new_corpus, word_tokenizer_dir, db_dsn, home, "clean"), db_dsn)
+            (new_id,) = published(db_dsn, "words")
+            assert leftovers(db_dsn) == {
+                "versions": [(reference, "published"), (old.store_id, "retired"), (new_id, "published")],
+                "table_versions": {reference, old.store_id, new_id},  # the old version's tables detached, not dropped
+                "ngram_tables": 3,
+            }
+            assert visible_state(db_dsn)["partitions"] == sorted(f"crest_ngrams_s{i}" for i in (reference, new_id))
+            expect = new_snapshot
+        assert snapshot(db_dsn, "words") == expect
+        seen_killed = len(reader.seen)
+        last = ingest([str(new_corpus)], store="words", tokenizer=tok, dsn=db_dsn, options=OPTIONS)
+        time.sleep(0.3)
+    finally:
+        reader.stop()
+    assert reader.errors() == 0
+    labels = version_of(reader.seen, old_snapshot, new_snapshot)
+    assert "neither" not in labels, "a lookup returned a draft of neither version"
+    assert "old" not in labels[labels.index("new") :], "a reader went back to the old version"
+    assert seen_killed > len(CONTEXTS)
+    assert not list((home / "work").glob("ingest-*")), "the killed ingests' work directories were removed"
+    assert leftovers(db_dsn) == {
+        "versions": [(reference, "published"), (last.store_id, "published")],
+        "table_versions": {reference, last.store_id},
+        "ngram_tables": 2,
+    }
+    assert snapshot(db_dsn, "words") == new_snapshot
+
+
+@pytest.mark.slow  # two `crest ingest` subprocesses at once
+def test_two_ingests_of_one_store_at_once_publish_one_after_the_other(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both builds run at once and reach publishing together (the test holds the store's publish lock until
+    both wait on it); they publish one after the other, never a mix, and readers keep drafting throughout."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("CREST_HOME", str(home))
+    tok = str(word_tokenizer_dir)
+    texts = {"a": NEW_TEXT, "b": ["dog on a cat on a mat", "the cat on the dog", "a mat on the cat", "dog dog cat"]}
+    corpora = {k: write_corpus(tmp_path / f"{k}.jsonl", t) for k, t in texts.items()}
+    for key, corpus in corpora.items():  # the same builds under other names: what each version drafts
+        ingest([str(corpus)], store=f"reference_{key}", tokenizer=tok, dsn=db_dsn, options=OPTIONS)
+    ingest([str(write_corpus(tmp_path / "old.jsonl", OLD_TEXT))], store="words", tokenizer=tok, dsn=db_dsn,
+           options=OPTIONS)  # fmt: skip
+    snaps = {"old": snapshot(db_dsn, "words"), **{k: snapshot(db_dsn, f"reference_{k}") for k in corpora}}
+    before = visible_state(db_dsn)
+    name_lock = zlib.crc32(b"words") & 0x7FFFFFFF  # crest.db.versions' publish lock for store "words"
+    reader = Reader(db_dsn, "words")
+    reader.start()
+    env = {**os.environ, "CREST_DATABASE_URL": db_dsn}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        with psycopg.connect(db_dsn) as blocker:
+            blocker.execute("SELECT pg_advisory_xact_lock(%s, %s)", (0x4352, name_lock))
+            for key, corpus in corpora.items():
+                procs[key] = subprocess.Popen(
+                    ingest_command(corpus, word_tokenizer_dir), env=env, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
+            deadline = time.monotonic() + 180
+            while waiting_publishers(db_dsn, name_lock) < 2:
+                assert all(p.poll() is None for p in procs.values()), "an ingest ended before publishing"
+                assert time.monotonic() < deadline, "the two ingests never both reached publishing"
+                time.sleep(0.1)
+            assert visible_state(db_dsn) == before, "a version became visible before publishing"
+            blocker.rollback()  # both publish now, one after the other
+        outcomes = {key: proc.communicate(timeout=120) for key, proc in procs.items()}
+        time.sleep(0.3)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        reader.stop()
+    for key, proc in procs.items():
+        assert proc.returncode == 0, f"ingest {key}: {outcomes[key][1]}"
+    assert reader.errors() == 0
+    final = published(db_dsn, "words")
+    assert len(final) == 1
+    winner = next(k for k in corpora if snapshot(db_dsn, "words") == snaps[k])
+    seen: list[str] = []
+    for ctx, got in reader.seen:  # the versions a reader went through, in order, where they differ
+        matches = [k for k, snap in snaps.items() if snap[ctx] == got]
+        assert matches, f"a lookup of {ctx} returned a draft of no version"
+        if len(matches) == 1 and (not seen or seen[-1] != matches[0]):
+            seen.append(matches[0])
+    assert seen[0] == "old" and seen[-1] == winner and len(seen) == len(set(seen)), seen
+    assert not list((home / "work").glob("ingest-*"))
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # every other version of "words" is removed
+        rows = conn.execute("SELECT id, state FROM crest_stores WHERE name = 'words'").fetchall()
+    assert rows == [(final[0], "published")]
+
+
+def waiting_publishers(dsn: str, name_lock: int) -> int:
+    """Return how many sessions wait for the publish lock of a store."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND classid = %s AND objid = %s",
+            (0x4352, name_lock),
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def test_readers_during_a_rebuild_see_old_then_new_never_errors_or_a_mix(

@@ -75,7 +75,7 @@ PETS_CORPUS = [  # after "cat sat on the" the store drafts " mat", " bed" and " 
     "The dog sat on the mat by the door.",
 ]
 TEMPERATURE, TOP_K = 1.0, 3
-TRIALS = 120
+TRIALS = 100
 ALPHA = 1e-3  # the test fails below this p-value
 
 
@@ -146,7 +146,8 @@ def test_sampling_through_a_real_store_and_the_prompt_has_the_models_distributio
     through crest. The drafted root children carry most of the first token's probability, so most trials go
     through the tree. Power: against a sampler that draws every node of a step with one shared uniform (right
     marginals, wrong joint), the test computes the biased distribution exactly and simulates the chi-square at
-    this sample size: it rejects with probability >= 0.99 (asserted below).
+    this sample size: it rejects with probability >= 0.99 (asserted below; with the drafts seen so far, 1.0).
+    Run with that sampler in place of `sample_nodes`, the test failed with p = 4e-9. About 1.5 min on 2 threads.
     """
     import crest.decoding.generator
     from crest.decoding.sampling import children_of
@@ -172,7 +173,7 @@ def test_sampling_through_a_real_store_and_the_prompt_has_the_models_distributio
         return kids
 
     monkeypatch.setattr(crest.decoding.generator, "children_of", spy)
-    gen = SpeculativeGenerator(model, tok, max_draft_tokens=8)
+    gen = SpeculativeGenerator(model, tok, max_draft_tokens=32)  # cut to depth 1 (2 tokens): the roots stay
     counts = np.zeros(len(cells))
     counts_by_trial: list[tuple[int, int]] = []
     for seed in range(TRIALS):
@@ -188,8 +189,7 @@ def test_sampling_through_a_real_store_and_the_prompt_has_the_models_distributio
 
     assert len(roots) == TRIALS
     through_tree = np.mean([a in drafted for (a, _), drafted in zip(counts_by_trial, roots, strict=True)])
-    assert through_tree > 0.5, f"only {through_tree:.0%} of the trials went through the tree"
-    assert any(len(r & set(first)) >= 2 for r in roots), "both drafters' roots reach the top-3"
+    assert through_tree > 0.8, f"only {through_tree:.0%} of the trials went through the tree"
     p = pvalue(counts, exact)
     assert p > ALPHA, (p, counts.tolist(), (exact * TRIALS).round(1).tolist())
 

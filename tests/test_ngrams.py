@@ -21,7 +21,7 @@ from crest.ingest.ngrams import (
     unpack_keys,
     window_keys,
 )
-from tests.fix_corpora import corpora, flatten
+from tests.fix_corpus import corpora, flatten
 
 WIDE = 200_000  # 18-bit ids: 4-grams need 72 bits and take the void-key fallback
 WIDE_IDS = [0, 1, 65_536, 131_071, WIDE - 1]

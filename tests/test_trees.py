@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from crest.errors import ConfigError
 from crest.ingest.trees import TreeBatch, build_trees, find_occurrences, lex_order, position_hash
-from tests.fix_corpora import corpora, flatten
+from tests.fix_corpus import corpora, flatten
 
 Path_ = tuple[int, ...]
 Tree = list[tuple[Path_, int]]

@@ -145,6 +145,7 @@ class Build:
                     sql.Identifier(f"crest_ngrams_s{sid}_key"), ng
                 )
             )
+            fault_pause("index")  # the hash index is built, its transaction not committed
             self.conn.execute(
                 sql.SQL("CREATE UNIQUE INDEX {} ON {} (store_id, token_id)").format(
                     sql.Identifier(f"crest_vocab_s{sid}_token"), vt
@@ -262,6 +263,7 @@ def clean_leftovers(conn: psycopg.Connection[Any], *, lock_timeout_ms: int = 200
                     continue  # its builder is alive
             try:
                 _detach(conn, sid)
+                fault_pause("clean")  # detached (when it was attached), its tables not yet dropped
                 with conn.transaction():
                     _drop_tables(conn, sid)
                     conn.execute("DELETE FROM crest_stores WHERE id = %s", (sid,))
