@@ -55,7 +55,6 @@ def public_tables(dsn: str) -> list[str]:
             "out-is-a-file",
             r"out|exists|directory",
             id="out-is-a-file",
-            marks=pytest.mark.xfail(strict=True, reason="bug: build_rest_index's FileExistsError shows as unexpected"),
         ),
     ],
 )
@@ -155,7 +154,6 @@ def test_server_stop_when_none_runs_is_no_error(
 # ---- bench generate ----------------------------------------------------------------------------------------------
 
 
-LEFT_BEHIND = pytest.mark.xfail(strict=True, reason="bug: the --records file is created before the prompts are read")
 OK = ["--prompts", "{tmp}/ok.jsonl"]
 
 
@@ -167,13 +165,11 @@ OK = ["--prompts", "{tmp}/ok.jsonl"]
             ["--prompts", "{tmp}/missing.jsonl", "--drafters", "none,prompt"],
             r"cannot read|does not exist",
             id="missing-prompts",
-            marks=LEFT_BEHIND,
         ),
         pytest.param(
             ["--prompts", "{tmp}/bad.jsonl", "--drafters", "none,prompt"],
             r"line 1 is not valid JSON",
             id="bad-prompts",
-            marks=LEFT_BEHIND,
         ),
         pytest.param([*OK, "--drafters", "none,bogus"], r"unknown drafter 'bogus'", id="unknown-drafter"),
         pytest.param([*OK, "--drafters", "crest"], r"--store", id="crest-without-store"),
@@ -182,11 +178,8 @@ OK = ["--prompts", "{tmp}/ok.jsonl"]
             [*OK, "--drafters", "none,prompt", "--max-new-tokens", "0"],
             r"max.new.tokens",
             id="no-new-tokens",
-            marks=[
-                pytest.mark.slow,  # today it loads the model before failing
-                pytest.mark.xfail(strict=True, reason="bug: transformers' ValueError shows as unexpected"),
-            ],
         ),
+        pytest.param([*OK, "--drafters", "none,prompt", "--limit", "0"], r"no prompts", id="no-prompts-left"),
         pytest.param(["--from-records", "{tmp}/missing.jsonl"], r"cannot read|does not exist", id="missing-records"),
     ],
 )

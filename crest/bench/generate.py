@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from crest.decoding.generator import GenerationResult, eos_ids
+from crest.errors import ConfigError
 
 
 @dataclass
@@ -31,6 +32,14 @@ class DrafterFigures:
     draft_ms_median: float
     draft_ms_p99: float
     exact_matches: int
+
+
+def check_run(prompts: list[str], *, max_new_tokens: int) -> None:
+    """Raise ConfigError before any model loads when a run would measure nothing."""
+    if not prompts:
+        raise ConfigError("no prompts to generate (check --prompts and --limit)")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
 
 
 def bench_generate(
@@ -62,6 +71,7 @@ def bench_generate(
     from crest.drafters.registry import open_drafter
     from crest.ingest.tokenizer import load_tokenizer
 
+    check_run(prompts, max_new_tokens=max_new_tokens)
     loaded = load_model(model, device=device, dtype=dtype)
     fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
     sources = {

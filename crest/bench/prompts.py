@@ -38,4 +38,4 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
             prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]
     else:
         prompts = list(read_prompts(source))
-    return prompts[:limit] if limit else prompts
+    return prompts[:limit] if limit is not None else prompts

@@ -312,6 +312,8 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
     from crest.ingest.corpus import CorpusReport, iter_documents
     from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
 
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out!r} exists and is not a directory")
     tok = load_tokenizer(resolve_model_spec(tokenizer))
     with tempfile.TemporaryDirectory() as work:
         corpus = tokenize_corpus(iter_documents(list(inputs), fmt=fmt, report=CorpusReport()), tok, workdir=Path(work))
