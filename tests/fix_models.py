@@ -29,11 +29,8 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_gguf: Path) -> Any:
     """The real SmolLM2-135M-Instruct loaded once per session (float32, CPU, sdpa) with its tokenizer."""
-    import torch
-
     from crest.decoding.models import load_model
 
-    torch.set_num_threads(2)
     return load_model(str(smollm2_gguf))
 
 

@@ -2,7 +2,7 @@
 
 Importing a test module never changes torch's thread count; a module that wants a fixed count says
 `pytestmark = pytest.mark.usefixtures("torch_threads")` (one thread) and a test that wants more adds
-`@pytest.mark.threads(2)`. Load with `pytest_plugins = ["tests.fix_torch"]`.
+`@pytest.mark.threads(2)`. Loaded for every test by pyproject's `-p tests.fix_torch`.
 """
 
 from __future__ import annotations

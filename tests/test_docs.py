@@ -26,7 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(?:<!-- not run by tests: (?P<why>[^>]*?) -->\n)?^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```", re.S | re.M)
+MARK = r"(?:<!-- not run by tests: (?P<why>[^>]*?) -->\n)?"
+BLOCK = re.compile(MARK + r"^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```", re.S | re.M)
 RUN = ("bash", "python")
 
 
@@ -101,7 +102,7 @@ def sandboxes() -> Iterator[dict[Path, tuple[Path, dict[str, str]]]]:
         env |= {"CREST_HOME": str(work / ".crest-home"), "COLUMNS": "100", "CREST_MAX_NEW_TOKENS": "24"}
         made[path] = (work, env)
     yield made
-    for work, env in made.values():
+    for _work, env in made.values():
         subprocess.run([sys.executable, "-m", "crest.cli", "server", "stop"], env=env, capture_output=True)
     shutil.rmtree(base, ignore_errors=True)
 

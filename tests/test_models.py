@@ -13,7 +13,6 @@ from crest.decoding.models import chat_prompt_ids, load_model
 from crest.errors import ModelError
 from tests.fix_models import tiny_config, tiny_model
 
-pytest_plugins = ["tests.fix_torch"]
 pytestmark = pytest.mark.usefixtures("torch_threads")  # one torch thread per test, restored after
 
 CHAT = (

@@ -15,7 +15,6 @@ from crest_client.draft import Draft
 from crest.decoding.generator import SpeculativeGenerator
 from tests.fix_models import IdTokenizer, tiny_model
 
-pytest_plugins = ["tests.fix_torch"]
 pytestmark = pytest.mark.usefixtures("torch_threads")  # one torch thread per test, restored after
 
 SAMPLING = [

@@ -28,7 +28,6 @@ from crest.serving.batch import BatchCache, check_batchable
 from crest.serving.scheduler import Outcome, QueueFull, Request, Scheduler
 from tests.fix_models import IdTokenizer, tiny_model
 
-pytest_plugins = ["tests.fix_torch"]
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
 VOCAB = 64

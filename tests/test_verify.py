@@ -24,7 +24,6 @@ from crest.decoding.tree import build_tree_inputs, limit_depth, tree_layout, tre
 from crest.errors import ConfigError, ModelError
 from tests.fix_models import TINY_KINDS, IdTokenizer, tiny_model
 
-pytest_plugins = ["tests.fix_torch"]
 pytestmark = pytest.mark.usefixtures("torch_threads")  # one torch thread per test, restored after
 
 
