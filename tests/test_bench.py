@@ -30,3 +30,29 @@ def test_bench_ingest_prints_figures_and_drops_its_store(db_dsn: str, tmp_path: 
     assert figures["meets_seconds_target"] is True and figures["meets_peak_rss_bytes_target"] is True
     with psycopg.connect(db_dsn) as conn:  # --drop is the default: the benchmark leaves nothing behind
         assert conn.execute("SELECT count(*) FROM crest_stores WHERE state = 'published'").fetchone() == (0,)
+
+
+def test_bench_lookup_batch_times_draft_many(db_dsn: str) -> None:
+    from tests.test_store import ROWS, publish
+
+    publish(db_dsn, "demo", ROWS)
+    args = ["bench", "lookup", "--store", "demo", "--batch", "8", "--samples", "20", "--json", "--dsn", db_dsn]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    results = json.loads(done.output)
+    assert results["benchmark"] == "lookup-batch" and results["store"] == "demo"
+    (figures,) = results["rows"]
+    assert figures["batch"] == 8 and figures["batches"] >= 100
+    assert figures["drafts_per_batch"] == 8  # every sampled context ends in a stored n-gram
+    assert 0 < figures["batch_median_ms"] <= figures["batch_p99_ms"]
+    assert figures["context_median_us"] == pytest.approx(figures["batch_median_ms"] * 1000 / 8)
+    assert figures["keys_median_ms"] > 0 and figures["decode_median_ms"] > 0
+    assert figures["round_trip_median_ms"] <= figures["batch_median_ms"]
+
+
+def test_bench_lookup_batch_refuses_a_bad_batch(db_dsn: str) -> None:
+    from crest.bench.lookup import bench_batch
+    from crest.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must be positive"):
+        bench_batch(db_dsn, "demo", batch=0)

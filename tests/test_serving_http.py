@@ -235,6 +235,7 @@ def test_models_health_metrics(served: Running) -> None:
                  "crest_draft_seconds_bucket", "crest_queue_depth", "crest_batch_size"):  # fmt: skip
         assert name in text
     assert 'crest_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+    assert "crest_completion_tokens_total 3.0" in text  # the scheduler reports to the app's metrics
 
 
 def test_disconnect_frees_the_row(served: Running) -> None:
@@ -313,7 +314,7 @@ def test_stop_text_cuts_at_the_first_stop(pieces: list[str], stops: list[str], s
 
 
 SERVER_SCRIPT = """
-import sys, torch, uvicorn
+import sys, torch
 sys.path.insert(0, {root!r})
 from tests.fix_models import IdTokenizer, tiny_model
 from crest.decoding.sizing import CostModel
@@ -324,11 +325,16 @@ torch.set_num_threads(1)
 model = tiny_model("llama", vocab=64, max_positions=4096)
 sched = Scheduler(model, IdTokenizer(), cost=CostModel([1, 64], [1.0, 1.0]))
 engine = Engine(sched, IdTokenizer(), model_name="tiny", drafter="none")
-uvicorn.run(create_app(engine), host="127.0.0.1", port={port}, log_level="warning")
+from crest.cli.serve import run_app
+try:
+    run_app(create_app(engine), host="127.0.0.1", port={port}, log_level="warning")
+except KeyboardInterrupt:
+    sys.exit(130)  # what crest's main makes of it
 """
 
 
-def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 0), ("SIGINT", 130)], ids=["sigterm", "ctrl-c"])
+def test_sigterm_drains_in_flight_requests(tmp_path: Path, signame: str, code: int) -> None:
     import signal
     import subprocess
     import sys
@@ -354,12 +360,12 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line and not lines:
-                    proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(getattr(signal, signame))
                 lines.append(line)
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
         last = json.loads([x for x in lines if x.startswith("data: {")][-1][6:])
         assert last["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+        assert proc.wait(60) == code  # drained, then exit 0 (SIGTERM) or 130 (Ctrl-C), not killed by the signal
         assert b"Traceback" not in (proc.stderr.read() if proc.stderr else b"")
     finally:
         if proc.poll() is None:

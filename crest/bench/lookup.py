@@ -3,7 +3,9 @@
 `lookup_text` encodes a text with the store's tokenizer (or a given one, which must match the store's
 fingerprint) and returns the draft tree stored for its longest suffix with each node's text piece.
 `bench_lookup` times the SDK's `draft()` on cache misses side by side with a bare prepared single-row psycopg
-lookup of the same rows on the same server, and the cache-hit path; `bench_load` drives the SDK from threads
+lookup of the same rows on the same server, and the cache-hit path; `bench_batch` times `draft_many` for
+batches of contexts (a serving step's lookups: one pipelined round trip, decoding included) and splits a batch's
+time into key hashing, tree decoding and the rest (the round trip); `bench_load` drives the SDK from threads
 and processes for a fixed time and reports throughput, latency percentiles and errors.
 """
 
@@ -18,7 +20,9 @@ from typing import Any
 import numpy as np
 import psycopg
 from crest_client import Store
+from crest_client.codec import decode_tree
 from crest_client.draft import Draft
+from crest_client.store import lookup_sql
 
 from crest.config import check_store_name, resolve_model_spec
 from crest.db.versions import ngram_table, session
@@ -153,6 +157,96 @@ def bench_lookup(dsn: str, store: str, *, samples: int = 2000, max_nodes: int = 
         meets_miss_ratio_target=ratio <= LOOKUP_TARGETS["miss_ratio"],
         meets_hit_median_us_target=statistics.median(hits) * us < LOOKUP_TARGETS["hit_median_us"],
     )
+
+
+@dataclass
+class BatchFigures:
+    """Latency of `Store.draft_many` on cache misses for batches of contexts, per batch and per context."""
+
+    batch: int
+    batches: int
+    drafts_per_batch: float
+    batch_median_ms: float
+    batch_p99_ms: float
+    context_median_us: float
+    context_p99_us: float
+    keys_median_ms: float  # of a batch: hashing the contexts' suffixes through the key filter
+    decode_median_ms: float  # of a batch: decoding its tree blobs into drafts
+    round_trip_median_ms: float  # of a batch: the rest (the pipelined queries, psycopg, the server)
+    meets_batch_ms_target: bool = False  # median batch of 64 under 2 ms
+
+
+BATCH_TARGET_MS = 2.0  # the serving issue's target for a batch of 64 contexts
+
+
+def bench_batch(
+    dsn: str, store: str, *, batch: int = 64, samples: int = 2000, max_nodes: int = 64, seed: int = 0
+) -> BatchFigures:
+    """Time `draft_many` for batches of `batch` contexts on cache misses, and split it into keys, decode, the rest."""
+    from crest.errors import ConfigError
+
+    if batch < 1 or samples < 1:
+        raise ConfigError("--batch and --samples must be positive")
+    contexts, _ = sample_contexts(dsn, store, samples=max(samples, batch), seed=seed)
+    if not contexts:
+        raise ConfigError(f"store {store!r} has no n-gram to look up")
+    while len(contexts) < batch:  # a small store: repeat its contexts (still misses: no cache)
+        contexts += contexts
+    groups = [contexts[i : i + batch] for i in range(0, len(contexts) - batch + 1, batch)]
+    whole: list[float] = []
+    keys: list[float] = []
+    decode: list[float] = []
+    found = 0
+    with Store.connect(dsn, store, cache_size=0, timeout=5.0, pool_size=1) as handle:
+        blobs = _stored_trees(dsn, handle, groups)
+        for group in groups[:3]:  # warm up: prepare the statements, load the pool
+            handle.draft_many(group, max_nodes)
+        rounds = max(1, -(-100 // len(groups)))  # at least 100 batches
+        for group, rows in [pair for _ in range(rounds) for pair in zip(groups, blobs, strict=True)]:
+            t0 = time.perf_counter()
+            drafts = handle.draft_many(group, max_nodes)
+            whole.append(time.perf_counter() - t0)
+            found += sum(d is not None for d in drafts)
+            t0 = time.perf_counter()
+            for ctx in group:
+                handle.candidate_keys(ctx[-handle.info.max_n :])
+            keys.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for n, tree in rows:
+                decode_tree(tree, n=n, table=handle.info.table)
+            decode.append(time.perf_counter() - t0)
+    ms = 1e3
+    median = statistics.median(whole)
+    return BatchFigures(
+        batch=batch,
+        batches=len(whole),
+        drafts_per_batch=found / len(whole),
+        batch_median_ms=median * ms,
+        batch_p99_ms=_pct(whole, 99) * ms,
+        context_median_us=median / batch * 1e6,
+        context_p99_us=_pct(whole, 99) / batch * 1e6,
+        keys_median_ms=statistics.median(keys) * ms,
+        decode_median_ms=statistics.median(decode) * ms,
+        round_trip_median_ms=max(0.0, median - statistics.median(keys) - statistics.median(decode)) * ms,
+        meets_batch_ms_target=median * ms < BATCH_TARGET_MS * batch / 64,
+    )
+
+
+def _stored_trees(dsn: str, handle: Store, groups: list[list[list[int]]]) -> list[list[tuple[int, bytes]]]:
+    """Return, per batch, the (n, tree blob) rows its lookups find, read with a plain connection."""
+    out: list[list[tuple[int, bytes]]] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for group in groups:
+            rows = []
+            for ctx in group:
+                keys = handle.candidate_keys(ctx[-handle.info.max_n :])
+                if not keys:
+                    continue
+                row = conn.execute(lookup_sql(handle.info.id, len(keys)), keys, binary=True).fetchone()
+                if row is not None:
+                    rows.append((int(row[0]), bytes(row[1])))
+            out.append(rows)
+    return out
 
 
 @dataclass

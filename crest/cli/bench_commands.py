@@ -84,12 +84,15 @@ def bench_lookup(
     processes: Annotated[int, typer.Option(help="Load mode: processes.")] = 1,
     cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Load mode: the SDK's LRU cache.")] = False,
     timeout: Annotated[float, typer.Option(help="Load mode: the SDK's per-lookup timeout in seconds.")] = 1.0,
+    batch: Annotated[
+        int | None, typer.Option(help="Batch mode: time draft_many() for batches of this many contexts.")
+    ] = None,
     as_json: Json = False,
     out: Out = None,
     dsn: Dsn = None,
 ) -> None:
     """Time draft() cache misses side by side with a bare prepared lookup, and cache hits; or, with --seconds, load."""
-    from crest.bench.lookup import bench_load
+    from crest.bench.lookup import bench_batch, bench_load
     from crest.bench.lookup import bench_lookup as run
     from crest.cli.store_commands import database
     from crest.config import check_store_name
@@ -97,6 +100,11 @@ def bench_lookup(
     started = time.time()
     check_store_name(store)
     url = database(dsn)
+    if batch is not None:
+        batched = bench_batch(url, store, batch=batch, samples=samples, max_nodes=max_nodes)
+        title = f"draft_many of {batch} contexts on {store!r} (cache misses)"
+        _report("lookup-batch", [batched.__dict__], started=started, title=title, as_json=as_json, out=out, store=store)
+        return
     if seconds is not None:
         load = bench_load(
             url,
@@ -145,7 +153,7 @@ def bench_generate_cmd(
     """Compare drafters with model.generate side by side: M, tokens/s, speedup, draft latency, exactness."""
     import contextlib
 
-    from crest.bench.generate import bench_generate, read_records, summarize_records
+    from crest.bench.generate import bench_generate, check_run, read_records, summarize_records
     from crest.bench.prompts import load_prompts
     from crest.bench.results import open_records
     from crest.drafters.registry import check_drafter
@@ -160,11 +168,13 @@ def bench_generate_cmd(
     if prompts is None:
         raise ConfigError("give --prompts (humaneval or a JSONL file), or --from-records FILE")
     names = [check_drafter(d, store=store, rest_index=rest_index) for d in drafters.split(",") if d.strip()]
+    prompt_texts = load_prompts(prompts, limit=limit)
+    check_run(prompt_texts, max_new_tokens=max_new_tokens)
     with contextlib.ExitStack() as stack:
         stream = stack.enter_context(open_records(records)) if records else None
         rows = bench_generate(
             model=model,
-            prompts=load_prompts(prompts, limit=limit),
+            prompts=prompt_texts,
             drafters=names,
             store=store,
             rest_index=rest_index,
@@ -180,6 +190,85 @@ def bench_generate_cmd(
     title = f"generation on {prompts} ({model}, {max_new_tokens} new tokens)"
     extra = {"prompts": prompts, "model": model, "store": store, "max_new_tokens": max_new_tokens, "chat": chat}
     _report("generate", [r.__dict__ for r in rows], started=started, title=title, as_json=as_json, out=out, **extra)
+
+
+@bench_app.command("serve")
+def bench_serve_cmd(
+    prompts: Annotated[str, typer.Option(help="humaneval, or a JSONL file of prompts (prompt / turns[0] / text).")],
+    url: Annotated[
+        str | None, typer.Option(help="A running crest server (http://HOST:PORT); default: start crest serve.")
+    ] = None,
+    concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of requests in flight.")] = "1,4,16",
+    drafters: Annotated[str, typer.Option(help="Comma-separated drafters (the request's drafter).")] = (
+        "none,prompt,crest,crest+prompt"
+    ),
+    max_tokens: Annotated[int, typer.Option(help="Greedy tokens per request.")] = 128,
+    limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
+    chat: Chat = False,
+    model: Model = "smollm2",
+    store: OptionalStore = None,
+    max_batch: Annotated[int | None, typer.Option(help="Started server's --max-batch (default: top level).")] = None,
+    max_draft_tokens: MaxDraftTokens = None,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also the library generator, one prompt at a time.")
+    ] = True,
+    api_key: Annotated[str | None, typer.Option(envvar="CREST_API_KEY", help="The server's API key.")] = None,
+    device: Device = "cpu",
+    dtype: Dtype = "float32",
+    as_json: Json = False,
+    out: Out = None,
+    dsn: Dsn = None,
+) -> None:
+    """Drive a crest server with the openai client from many threads: tokens/s, TTFT, ITL, M per drafter."""
+    from crest.bench.prompts import load_prompts
+    from crest.bench.serve import check_levels, run_serve_bench
+    from crest.bench.serve_report import append_targets, targets, write_plot
+    from crest.errors import ConfigError
+
+    started = time.time()
+    levels = check_levels(concurrency)
+    names = [d.strip().lower() for d in drafters.split(",") if d.strip()]
+    bad = [d for d in names if d not in ("none", "prompt", "crest", "crest+prompt")]
+    if not names or bad:
+        raise ConfigError(f"--drafters takes none, prompt, crest, crest+prompt; got {drafters!r}")
+    if any(d.startswith("crest") for d in names) and not store:
+        raise ConfigError("the crest drafters need --store NAME")
+    if max_tokens < 1 or (limit is not None and limit < 1) or (max_batch is not None and max_batch < 1):
+        raise ConfigError("--max-tokens, --limit and --max-batch must be positive")
+    texts = load_prompts(prompts, limit=limit)
+    if not texts:
+        raise ConfigError(f"no prompts in {prompts!r}")
+    results = run_serve_bench(
+        texts,
+        url=url,
+        drafters=names,
+        levels=levels,
+        max_tokens=max_tokens,
+        chat=chat,
+        model=model,
+        store=store,
+        max_batch=max_batch or max(levels),
+        max_draft_tokens=max_draft_tokens,
+        baseline=baseline,
+        api_key=api_key,
+        device=device,
+        dtype=dtype,
+        dsn=dsn,
+        note=lambda line: typer.echo(line, err=True),
+    )
+    found = targets(results.rows)
+    rows = [r.__dict__ for r in results.rows]
+    title = f"crest serve on {prompts} ({model}, {max_tokens} greedy tokens, {len(texts)} requests per level)"
+    extra: dict[str, Any] = {"prompts": prompts, "model": model, "store": store, "max_tokens": max_tokens}
+    extra |= {"chat": chat, "url": url, "server_exit_code": results.server_exit_code, "targets": found}
+    _report("serve", rows, started=started, title=title, as_json=as_json, out=out, **extra)
+    for target in found:
+        typer.echo(f"target {target['target']}: {target['value']} ({'met' if target['met'] else 'missed'})", err=True)
+    if out is not None:
+        append_targets(found, out / "serve.md")
+        plot = write_plot(results.rows, out / "serve.png")
+        if plot is not None:
+            typer.echo(f"wrote {plot}", err=True)
 
 
 @bench_app.command("accept")

@@ -2,12 +2,13 @@
 
 `run_serve` loads the model once, checks it can be batched, measures (or loads) the forward cost model, opens
 the default store (a database that is down only costs store drafts until it answers) and runs the FastAPI app
-under uvicorn, which drains in-flight requests on SIGTERM or Ctrl-C before the scheduler stops.
+under uvicorn, which drains in-flight requests on SIGTERM or Ctrl-C before the scheduler stops; a drained
+SIGTERM exits 0, Ctrl-C 130.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -65,8 +66,6 @@ def run_serve(
     dsn: str | None,
 ) -> None:
     """Load the model, open the default store and serve until SIGTERM or Ctrl-C (in-flight requests finish)."""
-    import uvicorn
-
     from crest.config import resolve_model_spec
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
@@ -100,4 +99,32 @@ def run_serve(
         engine.store(store)  # a missing store or another tokenizer's fails now; a database that is down does not
     app = create_app(engine, api_key=api_key)
     typer.echo(f"serving {model} on http://{host}:{port}/v1 (max batch {max_batch})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=600)
+    run_app(app, host=host, port=port)
+
+
+def run_app(app: Any, *, host: str, port: int, log_level: str = "info") -> None:
+    """Run `app` under uvicorn until SIGTERM (return once drained) or Ctrl-C (raise KeyboardInterrupt once drained).
+
+    uvicorn drains on either signal, restores the handlers it found and then raises the signal again; the
+    handlers installed here only note it, so the process exits 0 after a SIGTERM and 130 after Ctrl-C.
+    """
+    import signal
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=600)
+    server = uvicorn.Server(config)
+    noted: list[int] = []
+
+    def note(sig: int, _frame: Any) -> None:
+        noted.append(sig)
+        server.should_exit = True  # a signal before uvicorn's own handlers are in place stops it too
+
+    before = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    if signal.SIGINT in noted:
+        raise KeyboardInterrupt

@@ -80,6 +80,8 @@ class StopText:
 def create_app(engine: Engine, *, metrics: ServerMetrics | None = None, api_key: str | None = None) -> FastAPI:
     """Return the FastAPI app serving `engine` (started with the app, drained when it stops)."""
     metrics = metrics or ServerMetrics()
+    if engine.scheduler.metrics is None:  # steps, tokens, batch size and queue depth are observed by the scheduler
+        engine.scheduler.metrics = metrics
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -256,7 +258,7 @@ def _reason(outcome: Outcome, cut: StopText) -> str:
 def _usage(outcome: Outcome) -> dict[str, Any]:
     result = outcome.result
     return usage(len(result.prompt_token_ids), result.new_tokens, outcome.accepted_draft_tokens,
-                 outcome.rejected_draft_tokens)  # fmt: skip
+                 outcome.rejected_draft_tokens, forward_passes=result.forward_passes)  # fmt: skip
 
 
 def _sse(payload: dict[str, Any]) -> str:

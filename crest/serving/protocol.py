@@ -146,9 +146,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, accepted: int, rejected: int) -> dict[str, Any]:
-    """Return the usage object, with the draft tokens accepted and rejected."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, accepted: int, rejected: int, *, forward_passes: int | None = None
+) -> dict[str, Any]:
+    """Return the usage object, with the draft tokens accepted and rejected (and crest's forward count)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -157,6 +159,9 @@ def usage(prompt_tokens: int, completion_tokens: int, accepted: int, rejected: i
             "rejected_prediction_tokens": rejected,
         },
     }
+    if forward_passes is not None:  # crest's extension: M = completion_tokens / forward_passes
+        body["crest"] = {"forward_passes": forward_passes}
+    return body
 
 
 def finish_reason(stop_reason: str | None) -> str:

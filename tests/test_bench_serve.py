@@ -1,0 +1,131 @@
+"""`crest bench serve` end to end: it starts `crest serve` on a tiny random model over the real SmolLM2 tokenizer.
+
+The model directory holds a tiny random llama and the SmolLM2 tokenizer (the store is built with the same
+tokenizer, so the crest drafter is accepted), prompts come from a JSONL file, and the run covers the batch-1
+baseline and two concurrency levels per drafter. Greedy output is exact, so every row must count the same
+tokens and produce the same texts as `none`; the server, stopped with SIGTERM, must exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from crest.bench.serve import ServeFigures, check_levels
+from crest.bench.serve_report import targets
+from crest.cli.app import app
+from crest.config import IngestOptions
+from crest.errors import ConfigError
+from crest.ingest.pipeline import ingest
+from tests.fix_models import tiny_model
+from tests.test_serving_http import tiny_served  # noqa: F401  (fixture)
+
+pytest_plugins = ["tests.fix_corpus"]
+
+CORPUS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 20
+PROMPTS = ["def add(a, b):\n    return", "def sub(a, b):\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
+    """A directory with a tiny random llama over the SmolLM2 vocabulary and the SmolLM2 tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-serve")
+    tiny_model("llama", vocab=len(smollm2_tokenizer.hf), max_positions=2048).save_pretrained(str(directory))
+    smollm2_tokenizer.hf.save_pretrained(str(directory))
+    return directory
+
+
+def test_bench_serve_end_to_end(db_dsn: str, tiny_dir: Path, smollm2_gguf: Path, tmp_path: Path) -> None:
+    corpus, prompts = tmp_path / "code.jsonl", tmp_path / "prompts.jsonl"
+    corpus.write_text(json.dumps({"text": CORPUS}) + "\n", encoding="utf-8")
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS), encoding="utf-8")
+    ingest([str(corpus)], store="code", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
+    args = ["bench", "serve", "--model", str(tiny_dir), "--prompts", str(prompts), "--concurrency", "1,2"]
+    args += ["--drafters", "none,prompt,crest+prompt", "--store", "code", "--max-tokens", "12"]
+    args += ["--max-draft-tokens", "8", "--json", "--out", str(tmp_path / "out"), "--dsn", db_dsn]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    results = json.loads(done.stdout)
+    assert results["benchmark"] == "serve" and results["server_exit_code"] == 0  # drained on SIGTERM, exit 0
+    rows = results["rows"]
+    assert [(r["mode"], r["drafter"], r["concurrency"]) for r in rows] == [
+        ("batch-1", "none", 1), ("batch-1", "prompt", 1), ("batch-1", "crest+prompt", 1),
+        ("server", "none", 1), ("server", "none", 2), ("server", "prompt", 1), ("server", "prompt", 2),
+        ("server", "crest+prompt", 1), ("server", "crest+prompt", 2),
+    ]  # fmt: skip
+    tokens = rows[0]["output_tokens"]
+    assert 2 <= tokens <= 2 * 12
+    for row in rows:
+        assert row["requests"] == 2 and row["errors"] == 0
+        assert row["output_tokens"] == tokens  # greedy is exact: the same tokens in every mode and drafter
+        assert row["same_text_as_none"] == 2
+        assert row["mean_accepted_length"] >= 1.0  # from usage.crest.forward_passes
+        assert row["output_tokens_per_second"] == pytest.approx(row["output_tokens"] / row["seconds"])
+        assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"]
+        assert 0 <= row["itl_ms_p50"] <= row["itl_ms_p99"]
+    assert {"target": "errors under load: 0", "value": 0, "met": True} in results["targets"]
+    out = tmp_path / "out"
+    assert json.loads((out / "serve.json").read_text())["rows"] == rows
+    assert "## Targets" in (out / "serve.md").read_text()
+    assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--concurrency", "1,x"], "comma-separated list of integers"),
+        (["--concurrency", "0"], "positive integers"),
+        (["--drafters", "none,rest"], "--drafters takes"),
+        (["--drafters", "crest"], "need --store"),
+        (["--max-tokens", "0"], "must be positive"),
+    ],
+    ids=["bad-level", "zero-level", "unknown-drafter", "crest-without-store", "no-tokens"],
+)
+def test_bench_serve_refuses_bad_options(extra: list[str], message: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n", encoding="utf-8")
+    args = ["bench", "serve", "--prompts", str(prompts), "--url", "http://127.0.0.1:9", "--drafters", "none"]
+    done = CliRunner().invoke(app, [*args, *extra])  # the last --drafters wins
+    assert done.exit_code != 0 and isinstance(done.exception, ConfigError)
+    assert message in str(done.exception)
+
+
+def _row(drafter: str, concurrency: int, tps: float, *, mode: str = "server", speedup: float | None = None) -> Any:
+    return ServeFigures(mode, drafter, concurrency, 4, 0, 40, 1.0, tps, 4.0, 1, 1, 1, 1, 1, 1, 1.0, speedup)
+
+
+def test_targets_compare_against_none_and_batch_1() -> None:
+    rows = [
+        _row("none", 1, 10.0, mode="batch-1"),
+        _row("none", 1, 10.0, speedup=1.0),
+        _row("crest+prompt", 1, 14.0, speedup=1.4),
+        _row("none", 16, 30.0, speedup=1.0),
+        _row("crest+prompt", 16, 27.0, speedup=0.9),
+    ]
+    found = {t["target"]: (t["value"], t["met"]) for t in targets(rows)}
+    assert found["concurrency 1: crest+prompt tokens/s >= 1.3x none"] == (1.4, True)
+    assert found["concurrency 16: crest+prompt tokens/s >= 0.95x none"] == (0.9, False)
+    assert found["concurrency 16: none tokens/s >= 2x batch-1 decoding"] == (3.0, True)
+    assert check_levels("16,1,4,4") == [1, 4, 16]
+
+
+def test_drive_a_running_server_by_url(tiny_served: Any, smollm2_tokenizer: Any) -> None:  # noqa: F811
+    from crest.bench.serve import run_serve_bench
+    from tests.test_serving_http import start
+
+    running = start(tiny_served, smollm2_tokenizer, None, max_batch=4)
+    try:
+        run = run_serve_bench(PROMPTS * 2, url=running.url, drafters=["none", "prompt"], levels=[3], max_tokens=8,
+                              baseline=False)  # fmt: skip
+    finally:
+        running.stop()
+    assert run.server_exit_code is None  # not started here
+    none, prompt = run.rows
+    assert (none.drafter, none.concurrency, prompt.drafter) == ("none", 3, "prompt")
+    assert none.requests == prompt.requests == 4 and none.errors == prompt.errors == 0
+    assert none.output_tokens == prompt.output_tokens and prompt.same_text_as_none == 4
+    assert none.mean_accepted_length == 1.0 and prompt.speedup_vs_none is not None
