@@ -207,13 +207,7 @@ def find_occurrences(
         raise ConfigError(f"ngrams must be a [K, n] array with n >= 1, got shape {grams.shape}")
     if max_matches < 1:
         raise ConfigError(f"max_matches must be positive, got {max_matches}")
-    offsets = check_offsets(doc_offsets, int(tokens.shape[0]))
-    vocab = _vocabulary(tokens, grams, vocab_size)
-    if counts is None:
-        counts = _scan(tokens, offsets, grams, vocab=vocab, chunk_tokens=chunk_tokens, collect=False).found
-    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
-    if counts.shape[0] != grams.shape[0]:
-        raise ConfigError(f"counts has {counts.shape[0]} entries for {grams.shape[0]} n-grams")
+    offsets, vocab, counts = _prepare(tokens, doc_offsets, grams, vocab_size, counts, chunk_tokens)
     # keep an occurrence of a frequent n-gram only when its hash is small enough that about
     # max_matches + 8 sigma survive; the exact bottom-max_matches is taken from the survivors
     planned = _expected_sample(counts, max_matches)
@@ -250,6 +244,25 @@ def _sort_pairs(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, np.nd
     key = (major.astype(np.uint64) << np.uint64(low)) | minor.astype(np.uint64)
     key.sort(kind="stable")
     return (key >> np.uint64(low)).astype(np.int64), (key & np.uint64((1 << low) - 1)).astype(np.int64)
+
+
+def _prepare(
+    tokens: np.ndarray,
+    doc_offsets: np.ndarray,
+    grams: np.ndarray,
+    vocab_size: int | None,
+    counts: np.ndarray | None,
+    chunk_tokens: int,
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """Return (checked offsets, key vocabulary, occurrences per n-gram), counting them when not given."""
+    offsets = check_offsets(doc_offsets, int(tokens.shape[0]))
+    vocab = _vocabulary(tokens, grams, vocab_size)
+    if counts is None:
+        counts = _scan(tokens, offsets, grams, vocab=vocab, chunk_tokens=chunk_tokens, collect=False).found
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)  # [K]
+    if counts.shape[0] != grams.shape[0]:
+        raise ConfigError(f"counts has {counts.shape[0]} entries for {grams.shape[0]} n-grams")
+    return offsets, vocab, counts
 
 
 def _vocabulary(tokens: np.ndarray, grams: np.ndarray, vocab_size: int | None) -> int:
@@ -298,13 +311,7 @@ def build_trees(
         if value < 1:
             raise ConfigError(f"{label} must be positive, got {value}")
     grams = np.asarray(ngrams, dtype=np.int64).reshape(-1, n)
-    offsets = check_offsets(doc_offsets, int(tokens.shape[0]))
-    vocab = _vocabulary(tokens, grams, vocab_size)
-    if counts is None:
-        counts = _scan(tokens, offsets, grams, vocab=vocab, chunk_tokens=chunk_tokens, collect=False).found
-    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
-    if counts.shape[0] != grams.shape[0]:
-        raise ConfigError(f"counts has {counts.shape[0]} entries for {grams.shape[0]} n-grams")
+    offsets, vocab, counts = _prepare(tokens, doc_offsets, grams, vocab_size, counts, chunk_tokens)
     planned = _expected_sample(counts, max_matches)
     for g0, g1 in _ranges(planned, scan_occurrences):
         occ = find_occurrences(
