@@ -279,6 +279,24 @@ def test_batch_draft_sizes_shrink_as_rows_join() -> None:
     assert sizes[0] > 0 and sizes == sorted(sizes, reverse=True) and sizes[-1] == 0
 
 
+def test_step_cost_follows_observed_steps_and_shrinks_drafts() -> None:
+    from crest.serving.drafting import StepCost, batch_draft_sizes
+
+    prior = CostModel([1, 8, 64, 512], [1.0, 1.5, 6.0, 48.0])
+    cost = StepCost(prior)
+    assert float(cost(8)) == pytest.approx(1.5)  # nothing observed: the prior
+    chain = Draft(np.arange(16), np.arange(-1, 15, dtype=np.int32), np.full(16, 100) - np.arange(16))
+    before = batch_draft_sizes([chain] * 4, cost, acceptance_scale=0.5)[0]
+    for _ in range(20):  # a batched step of 4 rows costs as the prior says; wider steps cost 4x more
+        cost.observe(4, float(prior(4)))
+        cost.observe(32, 4 * float(prior(32)))
+    assert float(cost(4)) == pytest.approx(float(prior(4)), rel=1e-3)
+    assert float(cost(32)) == pytest.approx(4 * float(prior(32)), rel=1e-2)
+    assert float(cost(1000)) == pytest.approx(4 * float(prior(1000)), rel=1e-2)  # beyond: the nearest ratio
+    after = batch_draft_sizes([chain] * 4, cost, acceptance_scale=0.5)[0]
+    assert before > 0 and after < before
+
+
 def test_run_loop_survives_a_failing_step_and_drains(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 

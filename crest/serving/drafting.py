@@ -10,6 +10,8 @@ only; a store whose database was down at start (a `PendingStore`) drafts nothing
 costs about `cost(B * S)` (the measured cost of a forward of that many tokens), so it keeps the common cap k
 that maximises the batch's expected tokens per second, (B + sum of each row's expected accepted nodes within
 k) / cost(B * (1 + k)). As rows join, the same gain costs more and k shrinks, down to no draft at all.
+The cost is the calibrated single-sequence curve corrected by what the batched steps actually took
+(`StepCost`): a batch pays per row for its own cache and mask, which the calibration does not see.
 """
 
 from __future__ import annotations
@@ -82,7 +84,39 @@ def _draft_many(store: Any, contexts: list[Sequence[int]], max_nodes: int) -> li
     return [store.draft(c, max_nodes) for c in contexts]  # a pending store: None, and a reconnection when due
 
 
-def batch_draft_sizes(drafts: Sequence[Draft], cost: CostModel, *, acceptance_scale: float = 1.0) -> list[int]:
+class StepCost:
+    """The calibrated cost curve times the observed ratio of step time to it, per power-of-two token count."""
+
+    BUCKETS = 16  # token counts 1 .. 2^15
+
+    def __init__(self, prior: CostModel, *, decay: float = 0.8) -> None:
+        self.prior, self.decay = prior, decay
+        self.ratio = np.full(self.BUCKETS, np.nan)  # [buckets] seconds observed / prior seconds, decayed
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Record that a step of `tokens` slots (rows x width) took `seconds`."""
+        expected = float(self.prior(tokens))
+        if tokens < 1 or seconds <= 0 or expected <= 0:
+            return
+        b = min(self.BUCKETS - 1, int(tokens).bit_length() - 1)
+        r = seconds / expected
+        old = self.ratio[b]
+        self.ratio[b] = r if np.isnan(old) else self.decay * old + (1.0 - self.decay) * r
+
+    def __call__(self, k: np.ndarray | int) -> np.ndarray:
+        """Return the estimated seconds of a step of `k` slots: the prior, scaled as observed nearby."""
+        k = np.asarray(k, dtype=np.float64)
+        seen = ~np.isnan(self.ratio)
+        if not seen.any():
+            return self.prior(k)
+        where = np.log2(np.maximum(k, 1.0))
+        scale = np.interp(where, np.nonzero(seen)[0].astype(np.float64), self.ratio[seen])  # nearest beyond ends
+        return self.prior(k) * scale
+
+
+def batch_draft_sizes(
+    drafts: Sequence[Draft], cost: CostModel | StepCost, *, acceptance_scale: float = 1.0
+) -> list[int]:
     """Return each row's draft size: the common cap that maximises the batch's expected tokens per second."""
     rows = len(drafts)
     if rows == 0:

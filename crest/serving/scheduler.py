@@ -33,7 +33,15 @@ from crest.decoding.tree import check_draft, limit_depth
 from crest.drafters.protocol import Drafter
 from crest.errors import CrestError
 from crest.serving.batch import BatchCache, TreeRow
-from crest.serving.drafting import EXPLORE_EVERY, EXPLORE_NODES, StoreLease, batch_draft_sizes, expected_nodes, prefetch
+from crest.serving.drafting import (
+    EXPLORE_EVERY,
+    EXPLORE_NODES,
+    StepCost,
+    StoreLease,
+    batch_draft_sizes,
+    expected_nodes,
+    prefetch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +131,7 @@ class Scheduler:
         self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
         self._idle = 0
         self._ids = itertools.count()
+        self._costs: StepCost | None = None  # made on the first drafted step (calibrating the model)
 
     @property
     def active(self) -> int:
@@ -255,6 +264,8 @@ class Scheduler:
             accepted.append(slots)
             emitted.append(new)
         self.batch.commit(accepted)
+        if self._costs is not None:
+            self._costs.observe(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
         if any(len(d) for d in drafts):
             self._accepted = 0.95 * self._accepted + sum(len(a) for a in accepted)
             self._predicted = 0.95 * self._predicted + predicted
@@ -292,7 +303,9 @@ class Scheduler:
         if not self.adaptive or not any(len(d) for d in drafts):
             return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
         scale = self.acceptance_scale
-        sizes = batch_draft_sizes(drafts, self.gen.cost(), acceptance_scale=scale)
+        if self._costs is None:
+            self._costs = StepCost(self.gen.cost())
+        sizes = batch_draft_sizes(drafts, self._costs, acceptance_scale=scale)
         self._idle = 0 if any(sizes) else self._idle + 1
         if not any(sizes) and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(rows)):
             # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
