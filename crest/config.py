@@ -54,6 +54,7 @@ def parse_size(text: str) -> int:
 
 
 DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
+DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (the most recent ones)
 
 
 @dataclass(frozen=True)

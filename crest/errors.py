@@ -13,6 +13,7 @@ from crest_client.errors import (
     ConnectionUnavailable,
     CrestClientError,
     FingerprintMismatch,
+    InvalidDsn,
     InvalidName,
     StoreNotFound,
 )
@@ -64,6 +65,7 @@ class ModelError(CrestError):
 _CLIENT_EXIT_CODES: dict[type[CrestClientError], int] = {
     ConnectionUnavailable: EXIT_DATABASE,
     FingerprintMismatch: EXIT_USAGE,
+    InvalidDsn: EXIT_USAGE,
     InvalidName: EXIT_USAGE,
     StoreNotFound: EXIT_FAILURE,
     CodecError: EXIT_FAILURE,
@@ -95,6 +97,7 @@ __all__ = [
     "CrestError",
     "DatabaseError",
     "FingerprintMismatch",
+    "InvalidDsn",
     "InvalidName",
     "ModelError",
     "StoreNotFound",

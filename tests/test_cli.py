@@ -205,7 +205,7 @@ def test_db_queries_run_every_shipped_query(
     publish(db_dsn, "demo", ROWS)
     code, listed, _ = run(monkeypatch, capsys, "db", "queries")
     names = [line.split()[0] for line in listed.splitlines() if "psql only" not in line]
-    assert code == 0 and names == ["coverage", "disk_use", "top_ngrams", "tree_sizes"], listed
+    assert code == 0 and names == ["coverage", "disk_use", "learned", "top_ngrams", "tree_sizes"], listed
     assert run(monkeypatch, capsys, "db", "query", "--list")[1] == listed
     for query in list_queries():
         code, out, err = run(monkeypatch, capsys, "db", "query", query.name, "--json", "--dsn", db_dsn)

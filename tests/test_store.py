@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 import psycopg
 import pytest
-from crest_client import ConnectionUnavailable, FingerprintMismatch, InvalidName, Store, StoreNotFound
+from crest_client import (
+    ConnectionUnavailable,
+    CrestClientError,
+    Draft,
+    FingerprintMismatch,
+    InvalidName,
+    Store,
+    StoreNotFound,
+)
 from crest_client.codec import TokenTable, encode_tree, token_width
 from crest_client.keyfilter import KeyFilter, hash_keys
 
@@ -36,7 +44,13 @@ def _tree(first: int, size: int) -> bytes:
 
 
 def publish(
-    dsn: str, name: str, rows: dict[tuple[int, ...], bytes], *, fingerprint: str = "fp-a", data: bool = True
+    dsn: str,
+    name: str,
+    rows: dict[tuple[int, ...], bytes],
+    *,
+    fingerprint: str = "fp-a",
+    data: bool = True,
+    tier: str = "static",
 ) -> int:
     build = db.begin_build(
         dsn,
@@ -46,6 +60,7 @@ def publish(
         vocab_size=VOCAB,
         token_width=token_width(VOCAB),
         params={"max_n": 3},
+        tier=tier,
     )
     try:
         build.copy_vocab((i, f"<{i}>") for i in range(VOCAB))
@@ -140,6 +155,86 @@ def test_draft_many_matches_draft(store: Store) -> None:
     assert [d.tokens.tolist() if d else None for d in many] == [d.tokens.tolist() if d else None for d in one]
 
 
+LIVE = {(4, 5): _tree(600, 3), (7, 7, 7): _tree(700, 5)}
+
+
+def _firsts(parts: list[list[Draft | None]]) -> list[list[int | None]]:
+    return [[int(d.tokens[0]) if d is not None else None for d in row] for row in parts]
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["draft", "draft_many"])
+def test_expected_rule_prefers_a_rich_shorter_suffix_over_a_thin_longer_one(db_dsn: str, batch: bool) -> None:
+    thin = _tree(900, 3)  # weights 3, 2, 1 from 7 occurrences: 3 / 8 that its first token is right
+    rich = encode_tree(np.array([50, 51]), np.array([-1, 0], dtype=np.int32), np.array([7, 7]), vocab_size=VOCAB)
+    publish(db_dsn, "demo", {(4, 5): rich, (3, 4, 5): thin})
+    for rule, first in (("longest", 900), ("expected", 50)):
+        with Store.connect(db_dsn, "demo", timeout=2.0, rule=rule) as handle:
+            draft = handle.draft_many([[3, 4, 5]])[0] if batch else handle.draft([3, 4, 5])
+            assert draft is not None and int(draft.tokens[0]) == first, rule
+
+
+def test_unknown_suffix_rule_is_a_clear_error(db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    publish(db_dsn, "demo", ROWS)
+    monkeypatch.setenv("CREST_SUFFIX_RULE", "shortest")
+    with pytest.raises(CrestClientError, match="unknown suffix rule 'shortest'"):
+        Store.connect(db_dsn, "demo", timeout=2.0)
+
+
+def test_draft_parts_returns_static_and_live_in_one_statement(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    publish(db_dsn, "demo", LIVE, tier="live")
+    with Store.connect(db_dsn, "demo", timeout=2.0) as handle:
+        assert handle.live is not None and handle.live.tier == "live"
+        before = handle.stats["queries"]
+        parts = handle.draft_many_parts([[1, 2, 3, 4, 5], [7, 7, 7], [8, 8], [9, 9]])
+        assert handle.stats["queries"] == before + 1
+        assert _firsts(parts) == [[300, 600], [None, 700], [None, None], [400, None]]
+        assert _firsts([handle.draft_parts([3, 4, 5])]) == [[300, 600]]  # cached: no statement
+        assert handle.stats["queries"] == before + 1
+        assert handle.draft([3, 4, 5]) is not None and int(handle.draft([3, 4, 5]).tokens[0]) == 300  # type: ignore[union-attr]
+
+
+def test_draft_parts_follows_a_live_tier_published_later(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with (
+        Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=0.0) as handle,
+        Store.connect(db_dsn, "demo", timeout=2.0, live=False, refresh_interval=0.0) as static_only,
+    ):
+        assert handle.live is None
+        assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, None]]
+        publish(db_dsn, "demo", LIVE, tier="live")
+        assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, 700]]
+        assert _firsts([static_only.draft_parts([7, 7, 7])]) == [[None, None]]
+        publish(db_dsn, "demo", {(7, 7, 7): _tree(800, 2)}, tier="live")
+        assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, 800]]
+
+
+def test_store_drafter_merges_static_and_live_trees(db_dsn: str) -> None:
+    from crest.drafters.store import StoreDrafter
+
+    publish(db_dsn, "demo", ROWS)
+    with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=0.0) as handle:
+        drafter = StoreDrafter(handle)
+        assert drafter.draft([7, 7, 7], 8) is None
+        static = drafter.draft([1, 2, 3, 4, 5], 16)
+        assert static is not None and static.tokens.tolist() == list(range(300, 308))
+        publish(db_dsn, "demo", LIVE, tier="live")
+        live_only = drafter.draft([7, 7, 7], 8)
+        assert live_only is not None and live_only.tokens.tolist() == list(range(700, 705))
+        both = drafter.draft([1, 2, 3, 4, 5], 16)
+        assert both is not None and {300, 600} <= set(both.tokens.tolist())  # one tree holding both tiers' paths
+        assert drafter.draft([1, 2, 3, 4, 5], 0) is None
+
+
+def test_live_tier_of_another_tokenizer_is_ignored(db_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    publish(db_dsn, "demo", ROWS)
+    publish(db_dsn, "demo", LIVE, tier="live", fingerprint="fp-b")
+    with caplog.at_level(logging.WARNING), Store.connect(db_dsn, "demo", timeout=2.0) as handle:
+        assert handle.live is None
+        assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, None]]
+    assert "another tokenizer" in caplog.text
+
+
 def test_wrong_fingerprint_is_a_clear_error(db_dsn: str) -> None:
     publish(db_dsn, "demo", ROWS)
     with pytest.raises(FingerprintMismatch, match="another tokenizer"):
@@ -201,8 +296,10 @@ ALTERATIONS = {  # SQL expressions of the stored blob `tree`, each a damage the 
 
 @pytest.mark.parametrize("alteration", list(ALTERATIONS), ids=list(ALTERATIONS))
 def test_tree_altered_in_the_database_is_a_miss_logged_once(
-    db_dsn: str, store: Store, caplog: pytest.LogCaptureFixture, alteration: str
+    db_dsn: str, caplog: pytest.LogCaptureFixture, alteration: str
 ) -> None:
+    publish(db_dsn, "demo", ROWS)
+    store = Store.connect(db_dsn, "demo", timeout=2.0, rule="longest")  # the longest suffix drafts, corrupt or not
     assert store.draft([3, 4, 5]) is not None
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute(f"UPDATE crest_ngrams SET tree = {ALTERATIONS[alteration]} WHERE n = 3")
@@ -217,12 +314,13 @@ def test_tree_altered_in_the_database_is_a_miss_logged_once(
     assert store.stats["errors"] >= 5
     draft = store.draft([8, 5])  # intact rows still draft
     assert draft is not None and int(draft.tokens[0]) == 100
+    store.close()
 
 
 def test_tree_with_a_token_outside_the_vocabulary_is_a_miss(
     db_dsn: str, store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    wide = encode_tree(np.array([7, VOCAB + 3]), np.array([-1, 0]), np.array([2, 1]), vocab_size=VOCAB * 100)
+    wide = encode_tree(np.array([7, VOCAB + 3]), np.array([-1, 0]), np.array([7, 1]), vocab_size=VOCAB * 100)
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute("UPDATE crest_ngrams SET tree = %s WHERE n = 3", (wide,))
     assert store.draft([3, 4, 5]) is None  # well formed, but no model of this store has that token
@@ -405,3 +503,19 @@ def test_a_database_lost_mid_run_is_one_warning_line_and_no_pool_lines(
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0], warnings
     assert not [r for r in caplog.records if r.name.startswith("psycopg")], "the pool's lines got out"
+
+
+def test_store_learn_appends_in_the_background_and_close_writes_the_queue(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    handle = Store.connect(db_dsn, "demo", timeout=2.0)
+    handle.learn([1, 2, 3, 4, 5, 6], prompt_tokens=2)
+    handle.learn(np.array([7, 8, 9]))
+    handle.close()  # writes what was queued
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT tokens, n_tokens, prompt_tokens, source FROM crest_learned WHERE store = 'demo' ORDER BY id"
+        ).fetchall()
+    assert [(np.frombuffer(t, "<u4").tolist(), n, p, s) for t, n, p, s in rows] == [
+        ([1, 2, 3, 4, 5, 6], 6, 2, "sdk"),
+        ([7, 8, 9], 3, 0, "sdk"),
+    ]

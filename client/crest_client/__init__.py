@@ -12,11 +12,13 @@ from crest_client.errors import (
     ConnectionUnavailable,
     CrestClientError,
     FingerprintMismatch,
+    InvalidDsn,
     InvalidName,
     StoreNotFound,
 )
 
 if TYPE_CHECKING:
+    from crest_client.learner import Learner
     from crest_client.store import Store, StoreInfo
 
 
@@ -26,6 +28,10 @@ def __getattr__(name: str) -> object:
         from crest_client import store
 
         return getattr(store, name)
+    if name == "Learner":
+        from crest_client import learner
+
+        return learner.Learner
     raise AttributeError(name)
 
 
@@ -35,7 +41,9 @@ __all__ = [
     "CrestClientError",
     "Draft",
     "FingerprintMismatch",
+    "InvalidDsn",
     "InvalidName",
+    "Learner",
     "Store",
     "StoreInfo",
     "StoreNotFound",

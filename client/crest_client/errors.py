@@ -25,3 +25,7 @@ class ConnectionUnavailable(CrestClientError):
 
 class InvalidName(CrestClientError):
     """A store name is not a plain identifier."""
+
+
+class InvalidDsn(CrestClientError):
+    """A DSN cannot be parsed, or names hosts and ports that do not match."""

@@ -44,6 +44,19 @@ def hash_keys(grams: np.ndarray) -> np.ndarray:
     return h
 
 
+def suffix_hashes_many(tails: np.ndarray) -> np.ndarray:
+    """Return the suffix hashes of many right-aligned tails ([B, n] ids): column k - 1 hashes the last k tokens."""
+    tails = np.asarray(tails)
+    out = np.empty(tails.shape, dtype=np.uint64)  # [B, n]
+    h = np.full(tails.shape[0], SEED, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(tails.shape[1]):
+            h = (h ^ tails[:, -1 - k].astype(np.uint64)) * np.uint64(MUL)
+            h ^= h >> np.uint64(31)
+            out[:, k] = h
+    return out
+
+
 class KeyFilter:
     """A blocked Bloom filter over key hashes."""
 
@@ -68,6 +81,13 @@ class KeyFilter:
 
     def __len__(self) -> int:
         return self._size
+
+    def contains_many(self, hashes: np.ndarray) -> np.ndarray:
+        """Return, for each hash in `hashes` (any shape, uint64), whether the filter may hold it."""
+        words = np.frombuffer(self._words, dtype=np.uint64)
+        flat = np.asarray(hashes, dtype=np.uint64).reshape(-1)
+        mask = _bit_mask(flat)
+        return ((words[_word_index(flat, self._size)] & mask) == mask).reshape(np.shape(hashes))
 
     def nbytes(self) -> int:
         """Return the filter's size in bytes."""

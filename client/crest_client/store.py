@@ -22,9 +22,8 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,9 @@ import psycopg
 from psycopg import pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from crest_client.codec import TokenTable, decode_tree
+from crest_client.batch_codec import decode_trees
+from crest_client.choice import choose, resolve_rule
+from crest_client.codec import decode_tree
 from crest_client.draft import Draft
 from crest_client.errors import (
     CodecError,
@@ -40,40 +41,29 @@ from crest_client.errors import (
     FingerprintMismatch,
     StoreNotFound,
 )
-from crest_client.keyfilter import KeyFilter, suffix_hashes
-from crest_client.names import check_store_name, resolve_dsn
+from crest_client.hosts import check_dsn, resolve_read_dsn
+from crest_client.info import PUBLISHED_SQL, StoreInfo, read_info
+from crest_client.keyfilter import suffix_hashes
+from crest_client.lookup import (
+    BYTEA_ARRAY,
+    INT4_ARRAY,
+    batch_keys,
+    batch_sql,
+    bytea_array,
+    check_result,
+    int4_array,
+    numbered,
+    probe_sql,
+)
+from crest_client.names import check_store_name
 
 log = logging.getLogger(__name__)
 
 POOL_PREFIX = "crest-client-"  # the names of the SDK's pools, whose failures `Store` reports itself, once
 
-DATA_SQL = "SELECT token_table, key_filter FROM crest_store_data WHERE store_id = %s"
-INFO_SQL = (
-    "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params, tokenizer FROM crest_stores"
-    " WHERE name = %s AND state = 'published'"
-)
+lookup_sql = probe_sql  # the name earlier releases exported
 
-
-def lookup_sql(store_id: int, probes: int) -> str:
-    """Return the one-round-trip lookup of `probes` keys of a store version, longest first: first hit wins."""
-    probe = f"(SELECT n, tree FROM crest_ngrams_s{int(store_id)} WHERE key = %s)"
-    return " UNION ALL ".join([probe] * probes) + " LIMIT 1"
-
-
-@dataclass(frozen=True)
-class StoreInfo:
-    """What a client needs to know about the published version of a store."""
-
-    id: int
-    name: str
-    fingerprint: str
-    vocab_size: int
-    token_width: int
-    max_n: int
-    params: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str = ""
-    table: TokenTable | None = field(default=None, repr=False, compare=False)  # blobs' token ranks -> ids
-    key_filter: KeyFilter | None = field(default=None, repr=False, compare=False)  # None: probe every n
+__all__ = ["Store", "StoreInfo", "lookup_sql"]
 
 
 class Store:
@@ -88,13 +78,23 @@ class Store:
         cache_size: int = 4096,
         timeout: float = 0.01,
         refresh_interval: float = 1.0,
+        live: StoreInfo | None = None,
+        follow_live: bool = True,
+        rule: str | None = None,
+        write_dsn: str | None = None,
     ) -> None:
+        self.rule = resolve_rule(rule)  # which stored suffix drafts: crest_client.choice
+        self._write_dsn = write_dsn  # where `learn` appends (the primary); None: CREST_DATABASE_URL or embedded
+        self._learner: Any = None
         self._pool = pool
         self.info = info
+        self.live = live if follow_live else None  # the published live tier (learned from served requests)
+        self._follow_live = follow_live
         self.name = info.name
         self._fingerprint = tokenizer_fingerprint
         self._cache_size = max(0, int(cache_size))
-        self._cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()  # static tier, by tail
+        self._live_cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()  # live tier, by tail
         self._lock = threading.Lock()
         self._idle: list[psycopg.Connection[Any]] = []  # connections kept out of the pool for lookups
         self._out = 0  # connections taken from the pool: idle or in use
@@ -119,10 +119,20 @@ class Store:
         refresh_interval: float = 1.0,
         pool_size: int = 4,
         connect_timeout: float = 10.0,
+        live: bool = True,
+        rule: str | None = None,
+        write_dsn: str | None = None,
     ) -> Store:
-        """Connect to the published store `name` (DSN: argument, else CREST_DATABASE_URL, else embedded)."""
+        """Connect to the published store `name` (DSN: argument, else CREST_READ_DATABASE_URL, else as writers).
+
+        With `live` (the default) the handle also follows the store's live tier, when one is published:
+        `draft_parts` and `draft_many_parts` return its candidates beside the static ones. The DSN may name
+        several servers (`host=a,b port=p,q`, `target_session_attrs`, `load_balance_hosts`): a connection that
+        breaks is replaced by one to the first server that answers (`crest_client.hosts`).
+        """
         check_store_name(name)
-        dsn = resolve_dsn(dsn)
+        given = dsn  # also where `learn` writes, unless write_dsn names the primary
+        dsn = check_dsn(resolve_read_dsn(dsn))
         try:  # one plain attempt first: a down database fails at once, with its reason, and no pool retries
             psycopg.connect(dsn, connect_timeout=max(2, math.ceil(connect_timeout))).close()
         except psycopg.Error as exc:
@@ -151,7 +161,8 @@ class Store:
             pool.close()
             raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
         try:
-            info = _read_info(pool.connection, name, data_timeout=connect_timeout)
+            info = read_info(pool.connection, name, data_timeout=connect_timeout)
+            live_info = _read_live(pool.connection, name, info, data_timeout=connect_timeout) if live else None
         except BaseException:
             pool.close()
             raise
@@ -168,6 +179,10 @@ class Store:
             cache_size=cache_size,
             timeout=timeout,
             refresh_interval=refresh_interval,
+            live=live_info,
+            follow_live=live,
+            rule=rule,
+            write_dsn=write_dsn or given,
         )
 
     def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes | None]:
@@ -191,6 +206,8 @@ class Store:
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
         """Return the tree of the longest stored suffix of the context, or None."""
+        if time.monotonic() - self._checked > self._refresh_interval:
+            self._switch_version()  # also on cache hits: a live tier published meanwhile is found
         tail = tuple(int(t) for t in context_ids[-self.info.max_n :])
         if not tail:
             return None
@@ -213,51 +230,155 @@ class Store:
         return result.truncate(max_nodes) if result is not None else None
 
     def draft_many(self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64) -> list[Draft | None]:
-        """Return drafts for many contexts, sending all lookups in one pipeline."""
-        out: list[Draft | None] = [None] * len(contexts)
-        todo: list[tuple[int, tuple[int, ...]]] = []
-        for i, ctx in enumerate(contexts):
-            tail = tuple(int(t) for t in ctx[-self.info.max_n :])
-            cached = self._cache.get(tail, _MISSING) if self._cache_size else _MISSING
-            if cached is _MISSING:
-                if tail:
-                    todo.append((i, tail))
-            elif cached is not None:
-                out[i] = cached.truncate(max_nodes)
-        if not todo:
+        """Return the static tier's drafts for many contexts, all looked up in one statement."""
+        return [parts[0] for parts in self.draft_many_parts(contexts, max_nodes, live=False)]
+
+    def draft_parts(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> list[Draft | None]:
+        """Return [static draft, live draft] for the context, both looked up in one round trip."""
+        return self.draft_many_parts([context_ids], max_nodes)[0]
+
+    def draft_many_parts(
+        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64, *, live: bool = True
+    ) -> list[list[Draft | None]]:
+        """Return [static draft, live draft] for each context: every lookup of both tiers in one statement."""
+        if time.monotonic() - self._checked > self._refresh_interval:
+            self._switch_version()
+        infos = [self.info] + ([self.live] if live and self.live is not None else [])
+        caches = (self._cache, self._live_cache)
+        out: list[list[Draft | None]] = [[None, None] for _ in contexts]
+        tails = [tuple(int(t) for t in ctx[-self.info.max_n :]) for ctx in contexts]
+        self.stats["lookups"] += len(contexts)
+        missing: list[list[int]] = []
+        params: list[Any] = []
+        with self._lock:
+            for part, _ in enumerate(infos):
+                cache, todo = caches[part], []
+                for i, tail in enumerate(tails):
+                    found = cache.get(tail, _MISSING) if self._cache_size else _MISSING
+                    if found is _MISSING:
+                        if tail:
+                            todo.append(i)
+                    else:
+                        out[i][part] = found.truncate(max_nodes) if found is not None else None
+                missing.append(todo)
+        self.stats["hits"] += len(contexts) - len(missing[0])
+        for part, info in enumerate(infos):
+            index, keys = batch_keys([tails[i] for i in missing[part]], info)
+            params += [[missing[part][j] for j in index], keys]
+        if not any(params[1::2]):
+            self._remember(infos, missing, tails, {})
             return out
+        self.stats["queries"] += 1
         try:
-            with self._connection() as conn, conn.pipeline():
-                cursors = []
-                for _, tail in todo:
-                    keys = self.candidate_keys(tail)
-                    cursors.append(
-                        conn.execute(self._sql[len(keys)], keys, prepare=True, binary=True) if keys else None
-                    )
-                rows = [cur.fetchone() if cur is not None else None for cur in cursors]
+            rows = self._run_batch(tuple(info.id for info in infos), params)
         except psycopg.errors.UndefinedTable:
             self._switch_version()
             return out
         except (psycopg.Error, PoolTimeout) as exc:
             self._note_failure(exc)
             return out
-        for (i, tail), row in zip(todo, rows, strict=True):
-            draft = self._to_draft(row)
-            if self._cache_size:
-                with self._lock:
-                    self._cache[tail] = draft
-                    if len(self._cache) > self._cache_size:
-                        self._cache.popitem(last=False)
-            out[i] = draft.truncate(max_nodes) if draft is not None else None
+        drafts: dict[tuple[int, int], Draft | None] = {}
+        for part, info in enumerate(infos):
+            chosen = self._pick([row for row in rows if row[1] == part], info)
+            for (i, *_), draft in zip(chosen, self._to_drafts([(r[2], r[4]) for r in chosen], info), strict=True):
+                drafts[(part, i)] = draft
+        self._remember(infos, missing, tails, drafts)
+        for (part, i), draft in drafts.items():
+            out[i][part] = draft.truncate(max_nodes) if draft is not None else None
         return out
+
+    def _run_batch(self, ids: tuple[int, ...], params: list[Any]) -> list[tuple[int, int, int, int, bytes]]:
+        """Run the batch lookup of versions `ids` on libpq directly: rows (context index, part, n, count, tree)."""
+        every = self.rule != "longest"
+        name = f"crest_batch_{self.rule}_s{'_'.join(map(str, ids))}".encode()
+        conn = self._take()
+        try:
+            prepared = self._prepared.get(conn)
+            if prepared is None:
+                with self._lock:
+                    prepared = self._prepared.setdefault(conn, set())
+            pgconn = conn.pgconn
+            if name not in prepared:
+                query = numbered(batch_sql(ids, every=every)).encode()
+                check_result(pgconn.prepare(name, query, [INT4_ARRAY, BYTEA_ARRAY] * len(ids)))
+                prepared.add(name)
+            values = [int4_array(p) if j % 2 == 0 else bytea_array(p) for j, p in enumerate(params)]
+            pgconn.send_query_prepared(name, values, param_formats=[1] * len(values), result_format=1)
+            res = check_result(self._wait(conn))
+            get = res.get_value
+            rows = [
+                (_int(get(r, 0)), _int(get(r, 1)), _int(get(r, 2)), _int(get(r, 3)), get(r, 4))
+                for r in range(res.ntuples)
+            ]
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._keep(conn)
+        return rows
+
+    def _pick(
+        self, rows: list[tuple[int, int, int, int, bytes]], info: StoreInfo
+    ) -> list[tuple[int, int, int, int, bytes]]:
+        """Return one row per context: the only one (longest rule), else the rule's choice among its suffixes."""
+        if self.rule == "longest":
+            return rows
+        groups: dict[int, list[tuple[int, int, int, int, bytes]]] = {}
+        for row in rows:
+            groups.setdefault(row[0], []).append(row)
+        limit = self._max_matches(info)
+        return [group[choose([(r[2], r[3], r[4]) for r in group], max_matches=limit)] for group in groups.values()]
+
+    @staticmethod
+    def _max_matches(info: StoreInfo) -> int:
+        return int(info.params.get("max_matches", 5000) or 5000)
+
+    def _remember(
+        self,
+        infos: list[StoreInfo],
+        missing: list[list[int]],
+        tails: list[tuple[int, ...]],
+        found: dict[tuple[int, int], Draft | None],
+    ) -> None:
+        """Cache each looked-up tail's draft (None for a miss) in its tier's cache."""
+        if not self._cache_size:
+            return
+        with self._lock:
+            for part, info in enumerate(infos):
+                cache = (self._cache, self._live_cache)[part]
+                if info is not (self.info, self.live)[part]:
+                    continue  # the version changed meanwhile
+                for i in missing[part]:
+                    if tails[i]:
+                        cache[tails[i]] = found.get((part, i))
+                while len(cache) > self._cache_size:
+                    cache.popitem(last=False)
+
+    def learn(self, token_ids: Sequence[int] | np.ndarray, *, prompt_tokens: int = 0) -> None:
+        """Queue served tokens for the store's learned log (written in the background; never blocks or raises).
+
+        The first `prompt_tokens` ids are context (the prompt's tail), the rest the served output. Rows go to
+        `write_dsn` (the primary), else CREST_DATABASE_URL, else the embedded default, through a `Learner`.
+        """
+        learner = self._learner
+        if learner is None:
+            from crest_client.learner import Learner
+
+            with self._lock:
+                if self._learner is None:
+                    self._learner = Learner(self._write_dsn, self.name, source="sdk")
+                learner = self._learner
+        learner.learn(token_ids, prompt_tokens=prompt_tokens)
 
     def clear_cache(self) -> None:
         """Forget every cached draft."""
         with self._lock:
             self._cache.clear()
+            self._live_cache.clear()
 
     def close(self) -> None:
-        """Close the pool."""
+        """Write what `learn` queued, and close the pool."""
+        if self._learner is not None:
+            self._learner.close()
         with self._kept:
             idle, self._idle = self._idle, []
             self._out -= len(idle)
@@ -272,8 +393,6 @@ class Store:
         self.close()
 
     def _lookup(self, tail: tuple[int, ...]) -> Any:
-        if time.monotonic() - self._checked > self._refresh_interval:
-            self._switch_version()
         for _ in range(2):  # a second try after the version we knew was dropped
             keys = self.candidate_keys(tail)
             if not keys:
@@ -358,15 +477,17 @@ class Store:
             with self._lock:
                 prepared = self._prepared.setdefault(conn, set())
         if name not in prepared:
-            _check(pgconn.prepare(name, self._raw_sql[len(keys)], [_BYTEA] * len(keys)))
+            check_result(pgconn.prepare(name, self._raw_sql[len(keys)], [_BYTEA] * len(keys)))
             prepared.add(name)
-        res = _check(self._run(conn, name, keys))
+        res = check_result(self._run(conn, name, keys))
         if res.ntuples == 0:
             return None
-        n, tree = res.get_value(0, 0), res.get_value(0, 1)
-        if n is None or tree is None:
-            return None
-        return int.from_bytes(n, "big", signed=True), tree
+        if self.rule == "longest":
+            n, tree = res.get_value(0, 0), res.get_value(0, 1)
+            return (_int(n), tree) if n is not None and tree is not None else None
+        rows = [(_int(res.get_value(r, 0)), _int(res.get_value(r, 1)), res.get_value(r, 2)) for r in range(res.ntuples)]
+        n, _, tree = rows[choose(rows, max_matches=self._max_matches(self.info))]
+        return n, tree
 
     def _run(self, conn: psycopg.Connection[Any], name: bytes, keys: list[bytes]) -> Any:
         """Send the prepared lookup and wait for its result until the lookup timeout, on the client's clock.
@@ -401,15 +522,30 @@ class Store:
             if result is None or res.status != pq.ExecStatus.TUPLES_OK:
                 result = res
 
-    def _to_draft(self, row: Any) -> Draft | None:
+    def _to_drafts(self, rows: list[tuple[int, bytes]], info: StoreInfo) -> list[Draft | None]:
+        """Decode many (n, tree) rows at once; on a corrupt one, each alone (a corrupt tree is a miss)."""
+        if not rows:
+            return []
+        try:
+            drafts = decode_trees([tree for _, tree in rows], [n for n, _ in rows], table=info.table)
+        except CodecError:
+            return [self._to_draft(row, info) for row in rows]
+        for (_, tree), draft in zip(rows, drafts, strict=True):
+            ranked = tree[:1] == b"\x02" and len(tree) > 1 and tree[1] & 1  # ids from the checked table
+            if len(draft) and not ranked and int(draft.tokens.max()) >= info.vocab_size:
+                return [self._to_draft(row, info) for row in rows]
+        return list(drafts)
+
+    def _to_draft(self, row: Any, info: StoreInfo | None = None) -> Draft | None:
         if row is None:
             return None
+        info = info or self.info
         n, tree = row
         try:
-            draft = decode_tree(tree, n=int(n), table=self.info.table)
+            draft = decode_tree(tree, n=int(n), table=info.table)
             ranked = tree[:1] == b"\x02" and len(tree) > 1 and tree[1] & 1  # ids from the checked table
-            if len(draft) and not ranked and int(draft.tokens.max()) >= self.info.vocab_size:
-                raise CodecError(f"a token id is outside the store's vocabulary of {self.info.vocab_size}")
+            if len(draft) and not ranked and int(draft.tokens.max()) >= info.vocab_size:
+                raise CodecError(f"a token id is outside the store's vocabulary of {info.vocab_size}")
             return draft
         except CodecError as exc:
             self.stats["errors"] += 1
@@ -418,29 +554,34 @@ class Store:
 
     def _set_info(self, info: StoreInfo) -> None:
         self.info = info
-        self._sql = {k: lookup_sql(info.id, k) for k in range(1, info.max_n + 1)}
-        self._names = {k: f"crest_lookup_s{info.id}_{k}".encode() for k in self._sql}
-        self._raw_sql = {k: _numbered(self._sql[k]).encode() for k in self._sql}  # %s -> $1, $2, ...
+        every = self.rule != "longest"
+        self._sql = {k: probe_sql(info.id, k, every=every) for k in range(1, info.max_n + 1)}
+        self._names = {k: f"crest_{self.rule}_s{info.id}_{k}".encode() for k in self._sql}
+        self._raw_sql = {k: numbered(self._sql[k]).encode() for k in self._sql}  # %s -> $1, $2, ...
 
-    def _published_id(self) -> int | None:
-        """Return the id of the published version, read within the lookup timeout (None: none published)."""
+    def _published_ids(self) -> dict[str, int]:
+        """Return the published version of each tier, read within the lookup timeout."""
         with self._connection() as conn:
-            conn.pgconn.send_query_params(_PUBLISHED_SQL, [self.name.encode()])
-            res = _check(self._wait(conn))
-        return int(res.get_value(0, 0)) if res.ntuples else None
+            conn.pgconn.send_query_params(PUBLISHED_SQL, [self.name.encode()])
+            res = check_result(self._wait(conn))
+        return {res.get_value(r, 0).decode(): int(res.get_value(r, 1)) for r in range(res.ntuples)}
 
     def _switch_version(self) -> bool:
-        """Re-read which version is published; on a change, follow it and drop the cache."""
+        """Re-read which versions are published; on a change, follow them and drop their caches."""
         self._checked = time.monotonic()
         try:
-            if self._published_id() == self.info.id:  # the usual case, bounded even if the server stalls
-                return True
+            published = self._published_ids()
         except (psycopg.Error, PoolTimeout) as exc:
             self._note_failure(exc)
             return False
+        live_id = published.get("live") if self._follow_live else None
+        if live_id != (self.live.id if self.live is not None else None):
+            self._switch_live(live_id)
+        if published.get("static") == self.info.id:  # the usual case, bounded even if the server stalls
+            return True
         try:
             # a new version's data is read once; give it more than a lookup's timeout
-            info = _read_info(self._connection, self.name, known=self.info, data_timeout=max(1.0, 100 * self._timeout))
+            info = read_info(self._connection, self.name, known=self.info, data_timeout=max(1.0, 100 * self._timeout))
         except Exception as exc:  # store dropped or database gone: keep serving misses
             self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
             return False
@@ -452,6 +593,19 @@ class Store:
                 self._set_info(info)
                 self._cache.clear()
         return True
+
+    def _switch_live(self, live_id: int | None) -> None:
+        """Follow the live tier to version `live_id` (None: no live tier any more)."""
+        live = None
+        if live_id is not None:
+            try:
+                live = _read_live(self._connection, self.name, self.info, data_timeout=max(1.0, 100 * self._timeout))
+            except Exception as exc:  # keep the live version we know; the next check tries again
+                self._warn_once("live", f"store {self.name!r}: its live tier could not be read: {exc}")
+                return
+        with self._lock:
+            self.live = live
+            self._live_cache.clear()
 
     def _note_failure(self, exc: BaseException) -> None:
         """Count a failure of the database; the first one is logged (one line for the handle's life)."""
@@ -465,88 +619,32 @@ class Store:
 
 
 _BYTEA = 17  # type oid
-_PUBLISHED_SQL = b"SELECT id FROM crest_stores WHERE name = $1 AND state = 'published'"
 _MISSING: Any = object()
-
-
-def _numbered(query: str) -> str:
-    parts = query.split("%s")
-    return "".join(part + (f"${i}" if i < len(parts) else "") for i, part in enumerate(parts, 1))
-
-
-def _check(res: Any) -> Any:
-    """Return a libpq result, or raise the psycopg error its SQLSTATE names."""
-    if res.status in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-        return res
-    state = res.error_field(pq.DiagnosticField.SQLSTATE)
-    message = (res.error_message or b"").decode(errors="replace").strip() or "lookup failed"
-    if state is None:
-        raise psycopg.OperationalError(message)
-    raise psycopg.errors.lookup(state.decode())(message)
 
 
 _FAILED: Any = object()
 
 
-def _read_info(
-    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
-    name: str,
-    *,
-    known: StoreInfo | None = None,
-    data_timeout: float = 10.0,
-) -> StoreInfo:
+def _int(value: bytes) -> int:
+    """Return a binary int2/int4 result value."""
+    return int.from_bytes(value, "big", signed=True)
+
+
+def _read_live(connection: Any, name: str, static: StoreInfo, *, data_timeout: float) -> StoreInfo | None:
+    """Return the store's published live tier when it has one built with the static tier's tokenizer."""
     try:
-        with connection() as conn:
-            row = conn.execute(INFO_SQL, (name,)).fetchone()
-    except (psycopg.Error, PoolTimeout) as exc:
-        raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
-    if row is None:
-        raise StoreNotFound(f"no published store named {name!r}")
-    sid, fingerprint, vocab_size, width, params, tokenizer = row
-    if known is not None and known.id == int(sid):
-        table, key_filter = known.table, known.key_filter  # same version: its data never changes
-    else:
-        table, key_filter = _read_data(connection, name, int(sid), int(vocab_size), timeout=data_timeout)
-    return StoreInfo(
-        id=int(sid),
-        name=name,
-        fingerprint=fingerprint,
-        vocab_size=int(vocab_size),
-        token_width=int(width),
-        max_n=int((params or {}).get("max_n", 4)),
-        params=dict(params or {}),
-        tokenizer=str(tokenizer or ""),
-        table=table,
-        key_filter=key_filter,
+        live = read_info(connection, name, tier="live", data_timeout=data_timeout)
+    except StoreNotFound:
+        return None
+    same = (live.fingerprint, live.vocab_size, live.token_width) == (
+        static.fingerprint,
+        static.vocab_size,
+        static.token_width,
     )
-
-
-def _read_data(
-    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
-    name: str,
-    store_id: int,
-    vocab: int,
-    *,
-    timeout: float,
-) -> tuple[TokenTable | None, KeyFilter | None]:
-    """Read a version's token table and key filter (None, None for stores older than them)."""
-    try:
-        with connection() as conn, conn.transaction():  # a transaction: SET LOCAL ends with it
-            conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout * 1000))}")
-            row = conn.execute(DATA_SQL, (store_id,)).fetchone()
-    except psycopg.errors.UndefinedTable:
-        return None, None
-    except (psycopg.Error, PoolTimeout) as exc:
-        raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
-    if row is None:
-        return None, None
-    try:
-        table = TokenTable.from_bytes(row[0])
-        if len(table) and int(table.tokens.max()) >= vocab:
-            raise CodecError(f"a token id is outside the vocabulary of {vocab}")
-        return table, KeyFilter.from_bytes(row[1]) if row[1] is not None else None
-    except CodecError as exc:
-        raise CodecError(f"store {name!r} has a corrupt token table or key filter: {exc}") from None
+    if not same:
+        log.warning("store %r: its live tier was built with another tokenizer; ignored", name)
+        return None
+    return live
 
 
 class _OwnPoolRecords(logging.Filter):

@@ -1,16 +1,17 @@
 """`crest bench accept`: mean accepted length against datastore size, crest against REST, as in the CREST paper.
 
-For one model, corpus and prompt set it builds REST suffix-array indexes over seeded random samples of the
-corpus documents (1% .. 100%) and crest stores at several top-t values, then for every prompt runs plain
-greedy decoding once (the `none` drafter, which gives the reference continuation and the baseline speed) and
-measures each drafter and size. Mean accepted length M (new tokens per target forward) is measured by
-*replay*: greedy verification accepts exactly the longest draft path that matches the greedy continuation, so
-replaying the drafter on the contexts of the known continuation, with the verifier's tree cut (`max_nodes`
-nodes, depth within the tokens left), gives the M of the real loop with `--max-draft-tokens max_nodes` without
-running the model again; a cross-check runs that real loop on a few prompts and records both. Tokens/s and
-the speedup over `none` come from real generation (the default adaptive draft size) and are measured for the
-sizes `timing` asks for. The ablations (single n, n <= m) and the table of average tree sizes follow the
-paper's Figures 8-9 and Table 2. Results go to `accept.json`, `accept.md` and PNG plots in the output folder.
+For one model, corpus and prompt set it builds REST suffix-array indexes over seeded random samples of the corpus
+documents (1% .. 100%) and crest stores at several top-t values, then for every prompt runs plain greedy decoding
+once (the `none` drafter, which gives the reference continuation and the baseline speed) and measures each drafter
+and size. Mean accepted length M (new tokens per target forward) is measured by *replay*: greedy verification
+accepts exactly the longest draft path that matches the greedy continuation, so replaying the drafter on the
+contexts of the known continuation, with the verifier's tree cut (`max_nodes` nodes, depth within the tokens left),
+gives the M of the real loop with `--max-draft-tokens max_nodes` without running the model again; a cross-check
+runs that real loop on a few prompts and records both. Tokens/s and the speedup over `none` come from real
+generation (the default adaptive draft size) and are measured for the sizes `timing` asks for. A run records the
+plain greedy continuations in `references.json`; a later `--timing none` run on the same model, prompts and length
+replays on them without decoding again. The ablations (single n, n <= m) and the table of average tree sizes follow
+the paper's Figures 8-9 and Table 2. Results go to `accept.json`, `accept.md` and PNG plots in the output folder.
 """
 
 from __future__ import annotations
@@ -234,10 +235,14 @@ def measure(
     gens = {_key(k): _generator(model, tokenizer, max_draft_tokens=opts.max_draft_tokens, cost=cost) for k in timed}
     fixed = _generator(model, tokenizer, max_draft_tokens=opts.max_nodes, cost=None)
     references: list[list[int]] = []
+    known = _known_references(out, loaded, prompt_ids, opts) if opts.timing == "none" else None
     try:
         for i, ids in enumerate(prompt_ids):
             note(f"prompt {i + 1}/{len(prompt_ids)}: {len(ids)} tokens, {time.perf_counter() - started:.0f} s so far")
-            ref = base.generate(ids, drafter=NoneDrafter(), max_new_tokens=opts.max_new_tokens)
+            if known is not None:  # M needs only the greedy continuation, which a previous run recorded
+                ref = _Reference(known["references"][i], len(known["references"][i]), known["seconds"][i])
+            else:
+                ref = base.generate(ids, drafter=NoneDrafter(), max_new_tokens=opts.max_new_tokens)
             references.append(ref.output_token_ids)
             base_tokens, base_seconds = base_tokens + ref.new_tokens, base_seconds + ref.seconds
             for k in keys:
@@ -284,6 +289,8 @@ def measure(
     finally:
         for handle in (*stores.values(), *timing_stores.values()):
             handle.close()
+    if known is None:
+        _record_references(out, loaded, prompt_ids, opts, references, base_seconds / max(1, len(prompt_ids)))
     base_rate = base_tokens / max(base_seconds, 1e-9)
     rows = []
     for k in keys:
@@ -321,6 +328,43 @@ def measure(
             }
         )
     return {"rows": rows, "crosscheck": checks, "references": references}
+
+
+@dataclass
+class _Reference:
+    """A recorded plain greedy continuation, standing in for a generation result."""
+
+    output_token_ids: list[int]
+    new_tokens: int
+    seconds: float
+
+
+def _reference_key(loaded: Any, prompt_ids: list[list[int]], opts: AcceptOptions) -> str:
+    """Return what a recorded set of greedy continuations depends on: model, dtype, prompts and length."""
+    parts = [str(loaded.spec), opts.device, opts.dtype, str(opts.max_new_tokens), json.dumps(prompt_ids)]
+    return digest(parts)
+
+
+def _known_references(out: Path, loaded: Any, prompt_ids: list[list[int]], opts: AcceptOptions) -> Any:
+    """Return the greedy continuations recorded in `out` for these prompts, or None."""
+    try:
+        saved = json.loads((out / "references.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if saved.get("key") != _reference_key(loaded, prompt_ids, opts) or len(saved.get("references", [])) != len(
+        prompt_ids
+    ):
+        return None
+    return saved
+
+
+def _record_references(
+    out: Path, loaded: Any, prompt_ids: list[list[int]], opts: AcceptOptions, refs: list[list[int]], seconds: float
+) -> None:
+    """Record the greedy continuations (and the mean seconds of one) for later M-only runs on the same prompts."""
+    key = _reference_key(loaded, prompt_ids, opts)
+    body = {"key": key, "references": refs, "seconds": [seconds] * len(refs)}
+    (out / "references.json").write_text(json.dumps(body), encoding="utf-8")
 
 
 def _key(k: tuple[str, Variant | None]) -> str:

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import psycopg
 from crest_client import Store
-from crest_client.codec import decode_tree
+from crest_client.batch_codec import decode_trees
 from crest_client.draft import Draft
-from crest_client.store import lookup_sql
+from crest_client.lookup import batch_keys, probe_sql
 
 from crest.config import check_store_name, resolve_model_spec
 from crest.db.versions import ngram_table, session
@@ -86,7 +86,9 @@ def sample_contexts(dsn: str, store: str, *, samples: int, seed: int = 0) -> tup
     """Return contexts ending in stored n-grams (random tokens before them) and the stored keys they end in."""
     with session(dsn) as conn:
         row = conn.execute(
-            "SELECT id, token_width, vocab_size FROM crest_stores WHERE name = %s AND state = 'published'", (store,)
+            "SELECT id, token_width, vocab_size FROM crest_stores WHERE name = %s AND tier = 'static'"
+            " AND state = 'published'",
+            (store,),
         ).fetchone()
         if row is None:
             raise StoreNotFound(f"no published store named {store!r}")
@@ -208,12 +210,10 @@ def bench_batch(
             whole.append(time.perf_counter() - t0)
             found += sum(d is not None for d in drafts)
             t0 = time.perf_counter()
-            for ctx in group:
-                handle.candidate_keys(ctx[-handle.info.max_n :])
+            batch_keys([ctx[-handle.info.max_n :] for ctx in group], handle.info)
             keys.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for n, tree in rows:
-                decode_tree(tree, n=n, table=handle.info.table)
+            decode_trees([tree for _, tree in rows], [n for n, _ in rows], table=handle.info.table)
             decode.append(time.perf_counter() - t0)
     ms = 1e3
     median = statistics.median(whole)
@@ -242,7 +242,7 @@ def _stored_trees(dsn: str, handle: Store, groups: list[list[list[int]]]) -> lis
                 keys = handle.candidate_keys(ctx[-handle.info.max_n :])
                 if not keys:
                     continue
-                row = conn.execute(lookup_sql(handle.info.id, len(keys)), keys, binary=True).fetchone()
+                row = conn.execute(probe_sql(handle.info.id, len(keys)), keys, binary=True).fetchone()
                 if row is not None:
                     rows.append((int(row[0]), bytes(row[1])))
             out.append(rows)

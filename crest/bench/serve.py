@@ -82,7 +82,8 @@ def drive(
 
     # one client for every thread: its httpx connection pool is thread-safe
     client = openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key, max_retries=0, timeout=600.0)
-    extra: dict[str, Any] = {"drafter": drafter} | ({"store": store} if store else {})
+    # learning off: a later drafter must not draft from what an earlier one served for the same prompts
+    extra: dict[str, Any] = {"drafter": drafter, "learn": False} | ({"store": store} if store else {})
     errors: list[str] = []
 
     def one(prompt: str) -> _Timed | None:
@@ -360,6 +361,7 @@ def run_serve_bench(
     else:
         args = ["--model", model, "--device", device, "--dtype", dtype, "--max-batch", str(max_batch)]
         args += ["--store", store, "--drafter", "crest+prompt"] if store else ["--drafter", "prompt"]
+        args += ["--no-learn", "--refresh-interval", "0"]
         args += ["--max-draft-tokens", str(max_draft_tokens)] if max_draft_tokens is not None else []
         args += ["--dsn", dsn] if dsn else []
         args += ["--api-key", api_key] if api_key else []

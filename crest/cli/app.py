@@ -19,6 +19,7 @@ import typer
 from crest.cli.bench_commands import bench_app, rest_app
 from crest.cli.db_commands import db_app, server_app
 from crest.cli.generate import generate
+from crest.cli.learn_commands import forget, learn, refresh
 from crest.cli.serve import serve
 from crest.cli.store_commands import drop, ingest, lookup, stores
 from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, CrestClientError, exit_code
@@ -29,7 +30,7 @@ app = typer.Typer(
     help="Compact, database-backed drafting stores for speculative decoding.",
     epilog="Exit codes: 0 ok, 1 failure, 2 usage or bad input, 3 database, 130 interrupted.",
 )
-for command in (ingest, lookup, stores, drop, generate, serve):
+for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, serve):
     app.command()(command)
 app.add_typer(db_app, name="db")
 app.add_typer(server_app, name="server")

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from crest.cli.learn_commands import Window
 from crest.cli.options import (
     Chat,
     Device,
@@ -22,10 +23,11 @@ from crest.cli.options import (
     Model,
     OptionalStore,
     Out,
+    ReadDsn,
     StoreName,
     Tokenizer,
 )
-from crest.config import DEFAULT_TOP_T
+from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures (a table, or JSON with --json).")
 rest_app = typer.Typer(no_args_is_help=True, help="The REST baseline's suffix-array index.")
@@ -90,8 +92,11 @@ def bench_lookup(
     as_json: Json = False,
     out: Out = None,
     dsn: Dsn = None,
+    read_dsn: ReadDsn = None,
 ) -> None:
     """Time draft() cache misses side by side with a bare prepared lookup, and cache hits; or, with --seconds, load."""
+    from crest_client.hosts import check_dsn
+
     from crest.bench.lookup import bench_batch, bench_load
     from crest.bench.lookup import bench_lookup as run
     from crest.cli.store_commands import database
@@ -99,7 +104,7 @@ def bench_lookup(
 
     started = time.time()
     check_store_name(store)
-    url = database(dsn)
+    url = check_dsn(read_dsn) if read_dsn else database(dsn)  # a replica is migrated by its primary
     if batch is not None:
         batched = bench_batch(url, store, batch=batch, samples=samples, max_nodes=max_nodes)
         title = f"draft_many of {batch} contexts on {store!r} (cache misses)"
@@ -344,6 +349,65 @@ def bench_accept_cmd(
     )
     typer.echo("\n".join(main_table(results["rows"])))
     typer.echo(f"results: {Path(out) / 'accept.json'}, {Path(out) / 'accept.md'}, {len(results['plots'])} plot(s)")
+
+
+@bench_app.command("learn")
+def bench_learn_cmd(
+    store: StoreName,
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for learn.json, learn.md and references.json.")],
+    prompts: Annotated[str, typer.Option(help="humaneval, or a JSONL file of prompts (prompt / turns[0] / text).")] = (
+        "humaneval"
+    ),
+    chat: Chat = False,
+    model: Model = "smollm2",
+    limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
+    max_new_tokens: MaxNewTokens = 128,
+    max_nodes: Annotated[int, typer.Option(help="Draft tree size for the accepted-length replay.")] = 64,
+    refresh_every: Annotated[
+        int, typer.Option(help="Finished requests between live rebuilds (1: after every request).")
+    ] = 1,
+    window: Window = DEFAULT_LEARN_WINDOW,
+    min_count: Annotated[int, typer.Option(help="Live trees for n-grams seen at least this often.")] = 2,
+    references: Annotated[
+        Path | None,
+        typer.Option(help="Recorded greedy continuations (references.json of bench accept or learn) to reuse."),
+    ] = None,
+    device: Device = "cpu",
+    dtype: Dtype = "float32",
+    as_json: Json = False,
+    dsn: Dsn = None,
+) -> None:
+    """Serve a prompt stream in order, learning from each finished request: M by replay, static vs live vs both."""
+    from crest.bench.learn import LearnOptions, run_learn
+    from crest.cli.display import print_rows
+    from crest.cli.store_commands import database
+
+    options = LearnOptions(
+        store=store,
+        prompts=prompts,
+        chat=chat,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        max_nodes=max_nodes,
+        refresh_every=refresh_every,
+        window=window,
+        min_count=min_count,
+        references=str(references) if references else None,
+        device=device,
+        dtype=dtype,
+    ).validate()
+    results = run_learn(
+        options, model=model, dsn=database(dsn), out=Path(out), note=lambda line: typer.echo(line, err=True)
+    )
+    if as_json:
+        import json
+
+        print(json.dumps(results, default=str), flush=True)
+    else:
+        print_rows(f"{results['prompts']} requests on {store!r}, learning in order (M by replay)", results["rows"])
+        per_m = results["storage"]["bytes_per_million_tokens"]
+        typer.echo(f"learned log: {per_m or 0:,} bytes per 1M served tokens")
+    typer.echo(f"wrote {Path(out) / 'learn.json'}, {Path(out) / 'learn.md'}", err=True)
 
 
 def _ints(text: str | None) -> tuple[int, ...]:

@@ -140,8 +140,8 @@ def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False, show_stat
     if not rows:
         out.print("no store yet: run crest ingest")
         return
-    columns = ["store", "version", *(["state"] if show_state else []), "n-grams", "tokens", "size", "B/n-gram"]
-    columns.append("published")
+    columns = ["store", "version", "tier", *(["state"] if show_state else []), "n-grams", "tokens", "size", "B/n-gram"]
+    columns += ["learned", "published"]
     _print_records("crest stores", columns, [_store_line(row, show_state=show_state) for row in rows])
 
 
@@ -153,11 +153,13 @@ def _store_line(row: dict[str, Any], *, show_state: bool) -> list[str]:
     return [
         str(row["name"]),
         str(row["id"]),
+        str(row.get("tier", "static")),
         *([str(row["state"])] if show_state else []),
         f"{kept:,}",
         f"{figures.get('tokens', 0):,}",
         _mb(size),
         f"{size / kept:.0f}" if kept else "-",
+        _mb(int(row["learned_bytes"])) if row.get("learned_rows") else "-",  # the store's, on each of its versions
         published.strftime("%Y-%m-%d %H:%M") if published is not None else "-",
     ]
 

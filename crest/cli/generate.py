@@ -9,7 +9,18 @@ from typing import Annotated
 
 import typer
 
-from crest.cli.options import Chat, Device, Dsn, Dtype, Json, MaxDraftTokens, MaxNewTokens, Model, OptionalStore
+from crest.cli.options import (
+    Chat,
+    Device,
+    Dsn,
+    Dtype,
+    Json,
+    MaxDraftTokens,
+    MaxNewTokens,
+    Model,
+    OptionalStore,
+    ReadDsn,
+)
 
 
 def generate(
@@ -33,6 +44,7 @@ def generate(
     dtype: Dtype = "float32",
     as_json: Json = False,
     dsn: Dsn = None,
+    read_dsn: ReadDsn = None,
 ) -> None:
     """Generate with tree-attention speculative decoding (greedy output equals plain decoding).
 
@@ -58,6 +70,7 @@ def generate(
         dtype=dtype,
         as_json=as_json,
         dsn=dsn,
+        read_dsn=read_dsn,
     )
 
 
@@ -81,6 +94,7 @@ def run_generate(
     dtype: str,
     as_json: bool,
     dsn: str | None,
+    read_dsn: str | None = None,
 ) -> None:
     """Generate for one prompt or a file of prompts, printing text or JSON lines (each flushed)."""
     from crest.bench.prompts import read_prompts
@@ -101,7 +115,7 @@ def run_generate(
         _migrate_if_reachable(dsn)
     loaded = load_model(model, device=device, dtype=dtype)
     fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
-    draft_source = open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
+    draft_source = open_drafter(name, store=store, rest_index=rest_index, dsn=read_dsn or dsn, fingerprint=fingerprint)
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens, on_progress=_note)
     for text in texts:
         ids = loaded.encode_prompt(text, chat=chat)

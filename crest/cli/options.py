@@ -1,7 +1,8 @@
 """Options shared by several commands, declared once: each reads its `CREST_<NAME>` environment variable.
 
 Precedence, for every command: the option on the command line > the `CREST_*` variable > the default shown
-in `--help`. The database adds one step: `--dsn` > `CREST_DATABASE_URL` > the embedded default server.
+in `--help`. The database adds one step: `--dsn` > `CREST_DATABASE_URL` > the embedded default server; readers
+(generate, serve, bench lookup) use `--read-dsn` > `CREST_READ_DATABASE_URL` > that.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ Dsn = Annotated[
         envvar="CREST_DATABASE_URL",
         show_envvar=True,
         help="PostgreSQL DSN; default: the embedded server (`crest db url` prints the one in use).",
+    ),
+]
+ReadDsn = Annotated[
+    str | None,
+    typer.Option(
+        "--read-dsn",
+        envvar="CREST_READ_DATABASE_URL",
+        show_envvar=True,
+        help="PostgreSQL DSN that lookups read from (a replica, or several: host=a,b port=p,q); default: --dsn.",
     ),
 ]
 StoreName = Annotated[

@@ -3,7 +3,8 @@
 `run_serve` loads the model once, checks it can be batched, measures (or loads) the forward cost model, opens
 the default store (a database that is down only costs store drafts until it answers) and runs the FastAPI app
 under uvicorn, which drains in-flight requests on SIGTERM or Ctrl-C before the scheduler stops; a drained
-SIGTERM exits 0, Ctrl-C 130.
+SIGTERM exits 0, Ctrl-C 130. By default the server learns: finished requests are written to their store's
+learned log and the live tiers of its stores are rebuilt every `--refresh-interval` seconds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
-from crest.cli.options import Device, Dsn, Dtype, MaxDraftTokens, Model, OptionalStore
+from crest.cli.options import Device, Dsn, Dtype, MaxDraftTokens, Model, OptionalStore, ReadDsn
+from crest.config import DEFAULT_LEARN_WINDOW
 
 
 def serve(
@@ -32,6 +34,23 @@ def serve(
         str | None, typer.Option(envvar="CREST_API_KEY", help="Require 'Authorization: Bearer KEY' (not /health).")
     ] = None,
     dsn: Dsn = None,
+    read_dsn: ReadDsn = None,
+    learn: Annotated[
+        bool,
+        typer.Option(envvar="CREST_LEARN", help="Write finished requests' tokens to their store (per request: learn)."),
+    ] = True,
+    learn_window: Annotated[
+        int,
+        typer.Option(envvar="CREST_LEARN_WINDOW", help="Refreshes build the live tier from the last W learned tokens."),
+    ] = DEFAULT_LEARN_WINDOW,
+    refresh_interval: Annotated[
+        float,
+        typer.Option(envvar="CREST_REFRESH_INTERVAL", help="Seconds between live-tier refreshes (0: never, here)."),
+    ] = 10.0,
+    refresh_min_tokens: Annotated[
+        int,
+        typer.Option(envvar="CREST_REFRESH_MIN_TOKENS", help="New learned tokens a refresh waits for."),
+    ] = 2048,
 ) -> None:
     """Serve the OpenAI API (completions, chat completions) with continuous batching and store drafts."""
     run_serve(
@@ -47,6 +66,11 @@ def serve(
         dtype=dtype,
         api_key=api_key,
         dsn=dsn,
+        read_dsn=read_dsn,
+        learn=learn,
+        learn_window=learn_window,
+        refresh_interval=refresh_interval,
+        refresh_min_tokens=refresh_min_tokens,
     )
 
 
@@ -64,6 +88,11 @@ def run_serve(
     dtype: str,
     api_key: str | None,
     dsn: str | None,
+    read_dsn: str | None = None,
+    learn: bool = True,
+    learn_window: int = DEFAULT_LEARN_WINDOW,
+    refresh_interval: float = 10.0,
+    refresh_min_tokens: int = 2048,
 ) -> None:
     """Load the model, open the default store and serve until SIGTERM or Ctrl-C (in-flight requests finish)."""
     from crest.config import resolve_model_spec
@@ -74,6 +103,7 @@ def run_serve(
     from crest.serving.app import create_app
     from crest.serving.batch import check_batchable
     from crest.serving.engine import SERVED, Engine
+    from crest.serving.learning import LearnOptions
     from crest.serving.scheduler import Scheduler
 
     if drafter.strip().lower() not in SERVED:
@@ -82,6 +112,11 @@ def run_serve(
         raise ConfigError(f"--drafter {drafter} needs --store NAME (or use --drafter prompt)")
     if max_batch < 1 or max_queue < 0 or not 0 < port < 65536:
         raise ConfigError("--max-batch must be >= 1, --max-queue >= 0 and --port in 1..65535")
+    if learn_window < 1 or refresh_interval < 0 or refresh_min_tokens < 0:
+        raise ConfigError("--learn-window must be >= 1, --refresh-interval >= 0 and --refresh-min-tokens >= 0")
+    learning = LearnOptions(
+        record=learn, window=learn_window, refresh_interval=refresh_interval, refresh_min_tokens=refresh_min_tokens
+    )
     loaded = load_model(model, device=device, dtype=dtype)
     check_batchable(loaded.model)
     fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
@@ -93,8 +128,9 @@ def run_serve(
         cost=cost,
     )  # fmt: skip
     engine = Engine(
-        scheduler, loaded.tokenizer, model_name=model, store=store, drafter=drafter, dsn=dsn, fingerprint=fingerprint
-    )
+        scheduler, loaded.tokenizer, model_name=model, store=store, drafter=drafter, dsn=dsn, fingerprint=fingerprint,
+        read_dsn=read_dsn, learning=learning,
+    )  # fmt: skip
     if store:
         engine.store(store)  # a missing store or another tokenizer's fails now; a database that is down does not
     app = create_app(engine, api_key=api_key)

@@ -53,6 +53,21 @@ def ingest(
     chunk_tokens: Annotated[
         int, typer.Option(envvar="CREST_CHUNK_TOKENS", help="Corpus positions scanned at once (bounds peak memory).")
     ] = 1 << 22,
+    engine: Annotated[
+        str,
+        typer.Option(
+            envvar="CREST_ENGINE",
+            help="inprocess (this process) or spark (Apache Spark: needs pip install 'crest[spark]' and Java; "
+            "also reads Parquet and any path Spark reads). Both publish the same rows.",
+        ),
+    ] = "inprocess",
+    spark_master: Annotated[
+        str | None, typer.Option(envvar="CREST_SPARK_MASTER", help="Spark master URL (default local[*]).")
+    ] = None,
+    spark_partitions: Annotated[
+        int | None,
+        typer.Option(envvar="CREST_SPARK_PARTITIONS", help="Token partitions (default: Spark's default parallelism)."),
+    ] = None,
     dsn: Dsn = None,
 ) -> None:
     """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store.
@@ -63,6 +78,7 @@ def ingest(
     """
     from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
+    from crest.errors import ConfigError
     from crest.ingest.pipeline import ingest as run_ingest
 
     options = IngestOptions(
@@ -77,6 +93,26 @@ def ingest(
         single_n=single_n,
         blob_format=blob_format,
     ).validate()
+    if engine not in ("inprocess", "spark"):
+        raise ConfigError(f"unknown --engine {engine!r}: use inprocess or spark")
+    if engine == "spark":
+        from crest.ingest.spark import ingest_spark
+
+        with RichReporter(enabled=not quiet) as reporter:
+            built = ingest_spark(
+                inputs,
+                store=store,
+                tokenizer=tokenizer,
+                dsn=resolve_dsn(dsn),
+                options=options,
+                fmt=fmt,
+                master=spark_master,
+                partitions=spark_partitions,
+                reporter=reporter,
+                chunk_tokens=chunk_tokens,
+            )
+        print_summary(built)
+        return
     with RichReporter(enabled=not quiet) as reporter:
         summary = run_ingest(
             inputs,
@@ -116,12 +152,13 @@ def stores(
     as_json: Json = False,
     dsn: Dsn = None,
 ) -> None:
-    """List the stores with their figures and disk use.
+    """List the stores with their figures and disk use (and the bytes of what each learned).
 
     Each ingest makes a new version: `building` while it runs, `published` once it is the one lookups read,
     `retired` when a newer version replaced it (removed by the next ingest), `failed` when its ingest failed or
     was interrupted (its tables are removed; the previous version stayed published). Version numbers are shared
-    by all stores of a database.
+    by all stores of a database. A store has a `static` version (its ingest) and, once `crest refresh` or a
+    server built one from what it served, a `live` version.
     """
     from crest import db
     from crest.cli.display import print_stores
@@ -132,7 +169,7 @@ def stores(
 
 
 def drop(name: Annotated[str, typer.Argument(help="Store to drop.")], dsn: Dsn = None) -> None:
-    """Drop the published version of a store."""
+    """Drop a store: its published static and live versions and what it learned."""
     from crest import db
 
     with db.session(database(dsn)) as conn:

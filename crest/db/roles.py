@@ -1,13 +1,16 @@
-"""Least-privilege roles: a read-only role for inference servers and a writer role for ingest.
+"""Least-privilege roles: a reader role for inference servers (reads, appends what it served) and a writer role.
 
 `create_roles` (the `crest db roles` command; `sql/roles.sql` is the same for psql) migrates the schema,
 creates or updates two LOGIN roles and sets their privileges, and is safe to run again. The writer owns
 crest's tables and function (attaching and dropping partitions needs ownership), may create tables in the
 schema, and nothing else. The reader may connect, use the schema and SELECT crest's tables: the existing ones
 and, through `ALTER DEFAULT PRIVILEGES FOR ROLE writer`, every table the writer creates later (each store
-version's partitions, `crest_store_data`). It cannot write, create, drop or use any other schema. On
-PostgreSQL < 15, where PUBLIC may create in schema public, that right is revoked from PUBLIC (what 15 does by
-default). Every identifier is quoted with `psycopg.sql.Identifier`; passwords are sent as quoted literals.
+version's partitions, `crest_store_data`), and INSERT into `crest_learned`, the log of served tokens a server
+appends to: its data columns only, so ids and times stay the server's (an identity column needs no sequence
+privilege). It cannot update or delete, write any other
+table, create, drop or use any other schema. On PostgreSQL < 15, where PUBLIC may create in schema public,
+that right is revoked from PUBLIC (what 15 does by default). Every identifier is quoted with
+`psycopg.sql.Identifier`; passwords are sent as quoted literals.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from psycopg import sql
 from crest import db
 from crest.config import check_store_name
 from crest.errors import ConfigError, DatabaseError
+
+LEARNED_INSERT_COLUMNS = ("store", "tokens", "n_tokens", "prompt_tokens", "source")
 
 
 @dataclass
@@ -117,6 +122,14 @@ def _grant(conn: psycopg.Connection[Any], *, reader: str, writer: str, schema: s
         conn.execute(sql.SQL("ALTER TABLE {} OWNER TO {}").format(table, w))
         conn.execute(sql.SQL("REVOKE ALL ON TABLE {} FROM {}").format(table, r))
         conn.execute(sql.SQL("GRANT SELECT ON TABLE {} TO {}").format(table, r))
+    if "crest_learned" in tables:  # not id nor created_at: the log's order and times are the server's
+        conn.execute(
+            sql.SQL("GRANT INSERT ({}) ON TABLE {} TO {}").format(
+                sql.SQL(", ").join(map(sql.Identifier, LEARNED_INSERT_COLUMNS)),
+                sql.Identifier(schema, "crest_learned"),
+                r,
+            )
+        )
     for (signature,) in conn.execute(
         "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace ns ON ns.oid = p.pronamespace"
         " WHERE ns.nspname = %s AND p.proname LIKE 'crest\\_%%'",

@@ -2,10 +2,11 @@
 
 `crest_stores` holds one row per store version (state building -> published -> retired, or failed), and
 `crest_store_data` what a client loads once per version: the token table that tree blobs' ranks index and the
-filter of stored keys. `crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills
-stand-alone tables and attaches them as partitions in the same transaction that publishes the version, so
-readers see either the previous version or the new one, never a partial one, and an old version is dropped
-as a whole.
+filter of stored keys. A store name has one published `static` version (built by `crest ingest`) and at most
+one published `live` version (built from `crest_learned`, the append-only log of tokens it served).
+`crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills stand-alone tables and
+attaches them as partitions in the same transaction that publishes the version, so readers see either the
+previous version or the new one, never a partial one, and an old version is dropped as a whole.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from sqlalchemy.dialects import postgresql as pg
 metadata = sa.MetaData()
 
 STATES = ("building", "published", "retired", "failed")
+TIERS = ("static", "live")
 
 stores = sa.Table(
     "crest_stores",
@@ -31,12 +33,15 @@ stores = sa.Table(
     sa.Column("figures", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     sa.Column("published_at", sa.DateTime(timezone=True)),
+    sa.Column("tier", sa.Text, nullable=False, server_default="static"),
     sa.CheckConstraint(f"state IN {STATES!r}", name="crest_stores_state_check"),
     sa.CheckConstraint("name ~ '^[A-Za-z_][A-Za-z0-9_]{0,62}$'", name="crest_stores_name_check"),
+    sa.CheckConstraint(f"tier IN {TIERS!r}", name="crest_stores_tier_check"),
 )
 sa.Index(
     "crest_stores_published_name",
     stores.c.name,
+    stores.c.tier,
     unique=True,
     postgresql_where=stores.c.state == "published",
 )
@@ -70,6 +75,19 @@ vocab = sa.Table(
     postgresql_partition_by="LIST (store_id)",
 )
 sa.Index("crest_vocab_token", vocab.c.store_id, vocab.c.token_id, unique=True)
+
+learned = sa.Table(
+    "crest_learned",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("store", sa.Text, nullable=False),  # the store name (the tenant)
+    sa.Column("tokens", sa.LargeBinary, nullable=False),  # token ids, little-endian uint32
+    sa.Column("n_tokens", sa.Integer, nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),  # leading ids that were context
+    sa.Column("source", sa.Text, nullable=False, server_default=""),  # a server id, 'file', 'sdk'
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+)
+sa.Index("crest_learned_store_id", learned.c.store, learned.c.id)
 
 KEY_TOKENS_FUNCTION = """
 CREATE OR REPLACE FUNCTION crest_key_tokens(key bytea, width integer) RETURNS integer[]

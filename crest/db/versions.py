@@ -3,8 +3,10 @@
 A build inserts a `building` row in `crest_stores`, holds a session advisory lock on it while it lives,
 fills the stand-alone tables `crest_ngrams_s<ID>` / `crest_vocab_s<ID>` with COPY, indexes them, and then,
 in one transaction, attaches them as partitions, retires the previous version and publishes the new one.
-A killed build leaves a `building` row whose lock nobody holds: `clean_leftovers` drops it. Every
-statement is parameterised; table names are built from integer ids only and quoted with `sql.Identifier`.
+A killed build leaves a `building` row whose lock nobody holds: `clean_leftovers` drops it. A store name
+has one published version per tier: `static` (built by ingest) and `live` (built from what it learned, the
+`crest_learned` log); publishing retires only the same name and tier. Every statement is parameterised;
+table names are built from integer ids only and quoted with `sql.Identifier`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import psycopg
 from psycopg import sql
 
 from crest.config import check_store_name, fault_pause
-from crest.errors import DatabaseError, StoreNotFound
+from crest.errors import ConfigError, DatabaseError, StoreNotFound
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,17 @@ STORE_DATA_BYTES = (
     "(SELECT coalesce(sum(pg_column_size(token_table) + coalesce(pg_column_size(key_filter), 0)), 0)"
     " FROM crest_store_data WHERE store_id = %s)"
 )
+TIERS = ("static", "live")
+# on-disk bytes of each store's learned rows: its share (by row size) of crest_learned with its index and TOAST
+LEARNED_FIGURES = (
+    "SELECT l.store, count(*) AS rows, sum(l.n_tokens)::bigint AS tokens,"
+    " (pg_total_relation_size('crest_learned') * sum(pg_column_size(l.*))"
+    " / nullif(sum(sum(pg_column_size(l.*))) OVER (), 0))::bigint AS bytes"
+    " FROM crest_learned AS l GROUP BY l.store"
+)
 _LOCK_SPACE = 0x4352  # advisory lock class id: "CR"
 _MIGRATE_LOCK = 0x4352_0001
+LIVE_LOCK_SPACE = 0x4C56  # advisory lock class id of a store's refresh / forget: "LV"
 
 
 def connect(dsn: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:
@@ -99,6 +110,7 @@ class Build:
     conn: psycopg.Connection[Any]
     store_id: int
     name: str
+    tier: str = "static"
 
     def copy_ngrams(self, rows: Iterable[tuple[bytes, int, int, bytes]]) -> int:
         """COPY (key, n, count, tree) rows into the version's table; return how many were written."""
@@ -172,8 +184,8 @@ class Build:
                     )
                 )
             self.conn.execute(
-                "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published'",
-                (self.name,),
+                "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND tier = %s AND state = 'published'",
+                (self.name, self.tier),
             )
             fault_pause("publish")  # attached and the old version retired, not yet committed
             self.conn.execute(
@@ -222,16 +234,18 @@ def begin_build(
     vocab_size: int,
     token_width: int,
     params: dict[str, Any],
+    tier: str = "static",
 ) -> Build:
-    """Register a new `building` version of store `name` and create its stand-alone tables."""
+    """Register a new `building` version of store `name` (in `tier`) and create its stand-alone tables."""
     check_store_name(name)
+    check_tier(tier)
     conn = connect(dsn)
     try:
         with conn.transaction():
             row = conn.execute(
-                "INSERT INTO crest_stores (name, state, tokenizer_fingerprint, tokenizer, vocab_size, token_width,"
-                " params) VALUES (%s, 'building', %s, %s, %s, %s, %s) RETURNING id",
-                (name, fingerprint, tokenizer, vocab_size, token_width, json.dumps(params)),
+                "INSERT INTO crest_stores (name, tier, state, tokenizer_fingerprint, tokenizer, vocab_size,"
+                " token_width, params) VALUES (%s, %s, 'building', %s, %s, %s, %s, %s) RETURNING id",
+                (name, tier, fingerprint, tokenizer, vocab_size, token_width, json.dumps(params)),
             ).fetchone()
             assert row is not None
             sid = int(row[0])
@@ -242,25 +256,43 @@ def begin_build(
                 )
             )
             conn.execute(sql.SQL("CREATE TABLE {} (LIKE crest_vocab INCLUDING DEFAULTS)").format(vocab_table(sid)))
-        return Build(conn, sid, name)
+        return Build(conn, sid, name, tier)
     except psycopg.Error as exc:
         conn.close()
         raise DatabaseError(f"could not start building store {name!r}: {str(exc).strip()}") from None
 
 
-def clean_leftovers(conn: psycopg.Connection[Any], *, lock_timeout_ms: int = 2000) -> list[int]:
-    """Drop retired and failed versions and builds whose process died; return the ids removed."""
+def check_tier(tier: str) -> str:
+    """Return `tier` when it is a store tier (static or live), else raise ConfigError."""
+    if tier not in TIERS:
+        raise ConfigError(f"unknown store tier {tier!r}: use {' or '.join(TIERS)}")
+    return tier
+
+
+def clean_leftovers(
+    conn: psycopg.Connection[Any], *, name: str | None = None, tier: str | None = None, lock_timeout_ms: int = 2000
+) -> list[int]:
+    """Drop retired and failed versions and builds whose process died (of `name` / `tier` when given); return ids."""
     removed: list[int] = []
     was_autocommit = conn.autocommit
     conn.autocommit = True
     try:
         conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{int(lock_timeout_ms)}ms")))
-        rows = conn.execute("SELECT id, state FROM crest_stores WHERE state <> 'published' ORDER BY id").fetchall()
+        rows = conn.execute(
+            "SELECT id, state FROM crest_stores WHERE state <> 'published'"
+            " AND (%(name)s::text IS NULL OR name = %(name)s) AND (%(tier)s::text IS NULL OR tier = %(tier)s)"
+            " ORDER BY id",
+            {"name": name, "tier": tier},
+        ).fetchall()
         for sid, state in rows:
             if state == "building":
                 got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_LOCK_SPACE, sid)).fetchone()
                 if not (got and got[0]):
                     continue  # its builder is alive
+                now = conn.execute("SELECT state FROM crest_stores WHERE id = %s", (sid,)).fetchone()
+                if now is None or now[0] == "published":  # its builder published and ended since the SELECT above
+                    conn.execute("SELECT pg_advisory_unlock(%s, %s)", (_LOCK_SPACE, sid))
+                    continue
             try:
                 _detach(conn, sid)
                 fault_pause("clean")  # detached (when it was attached), its tables not yet dropped
@@ -304,16 +336,18 @@ def _drop_tables(conn: psycopg.Connection[Any], sid: int) -> None:
 
 
 def list_stores(conn: psycopg.Connection[Any], *, include_all: bool = False) -> list[dict[str, Any]]:
-    """Return the stores (published ones unless `include_all`) with their figures and disk use."""
+    """Return the store versions (published ones unless `include_all`) with figures, disk use and learned rows."""
     where = "" if include_all else "WHERE s.state = 'published'"
     rows = conn.execute(
         "SELECT s.id, s.name, s.state, s.tokenizer, s.tokenizer_fingerprint, s.vocab_size, s.params, s.figures,"
-        " s.created_at, s.published_at,"
+        " s.created_at, s.published_at, s.tier,"
+        " coalesce(l.rows, 0), coalesce(l.tokens, 0), coalesce(l.bytes, 0),"
         " coalesce(pg_table_size(to_regclass('crest_ngrams_s' || s.id)), 0)"
         " + (SELECT coalesce(sum(pg_column_size(d.token_table) + coalesce(pg_column_size(d.key_filter), 0)), 0)"
         " FROM crest_store_data d WHERE d.store_id = s.id),"
         " coalesce(pg_indexes_size(to_regclass('crest_ngrams_s' || s.id)), 0)"
-        f" FROM crest_stores s {where} ORDER BY s.name, s.id"
+        f" FROM crest_stores s LEFT JOIN ({LEARNED_FIGURES}) AS l ON l.store = s.name {where}"
+        " ORDER BY s.name, s.tier DESC, s.id"
     ).fetchall()
     keys = [
         "id",
@@ -326,6 +360,10 @@ def list_stores(conn: psycopg.Connection[Any], *, include_all: bool = False) -> 
         "figures",
         "created_at",
         "published_at",
+        "tier",
+        "learned_rows",
+        "learned_tokens",
+        "learned_bytes",
         "table_bytes",
         "index_bytes",
     ]
@@ -333,21 +371,28 @@ def list_stores(conn: psycopg.Connection[Any], *, include_all: bool = False) -> 
 
 
 def drop_store(conn: psycopg.Connection[Any], name: str) -> int:
-    """Retire the published version of `name` and drop it; return the id dropped."""
+    """Retire and drop the published versions of `name` (both tiers) and its learned rows; return the static id."""
     check_store_name(name)
     with conn.transaction():
-        row = conn.execute(
-            "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published' RETURNING id",
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (LIVE_LOCK_SPACE, _name_lock(name)))  # no refresh now
+        rows = conn.execute(
+            "UPDATE crest_stores SET state = 'retired' WHERE name = %s AND state = 'published' RETURNING id, tier",
             (name,),
-        ).fetchone()
-    if row is None:
-        raise StoreNotFound(f"no published store named {name!r}")
-    clean_leftovers(conn)
-    return int(row[0])
+        ).fetchall()
+        if not any(tier == "static" for _, tier in rows):
+            raise StoreNotFound(f"no published store named {name!r}")
+        conn.execute("DELETE FROM crest_learned WHERE store = %s", (name,))
+    clean_leftovers(conn, name=name)
+    return next(int(sid) for sid, tier in rows if tier == "static")
 
 
 def _name_lock(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def refresh_lock_key(name: str) -> tuple[int, int]:
+    """Return the advisory lock (class, object) that one store's live refreshes and forgets hold."""
+    return LIVE_LOCK_SPACE, _name_lock(name)
 
 
 def _safe_dsn(dsn: str) -> str:

@@ -5,7 +5,9 @@ draft, so generation goes on with the same output. The same holds when the datab
 starts: `open_store` then says once that the store is unreachable and hands back a `PendingStore`, which
 drafts nothing, tries to connect again in the background now and then (a step never waits for it), and drafts
 from the store once the database answers. A database that answers but has no such store, or a store built
-with another tokenizer, is an error at once.
+with another tokenizer, is an error at once. When the store has a live tier (trees built from what it
+learned from served requests), one lookup returns both tiers' trees and the drafter merges them, each part
+weighted by how often its drafts prove right (`MergedDrafter`); without one it drafts the static tree alone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 import psycopg
 from crest_client.draft import Draft
 from crest_client.errors import ConnectionUnavailable
-from crest_client.names import check_store_name, resolve_dsn
+from crest_client.hosts import resolve_read_dsn
+from crest_client.names import check_store_name
 
+from crest.drafters.merged import MergedDrafter
 from crest.errors import CrestClientError
 
 log = logging.getLogger(__name__)
@@ -39,19 +43,53 @@ class StoreDrafter:
     def __init__(self, store: Any) -> None:
         self.store = store
         self.failures = 0
+        self._parts: tuple[int, int, list[Draft | None]] | None = None  # (context length, last token, parts)
+        self._tiers = MergedDrafter(_Tier(self, 0), _Tier(self, 1))
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        """Return the store's tree for the context (at most `max_nodes` nodes), or None."""
+        """Return the store's tree for the context (static and live merged; at most `max_nodes` nodes), or None."""
+        if max_nodes <= 0:
+            return None
+        if getattr(self.store, "live", None) is None:
+            tree = self._call(lambda: self.store.draft(context_ids, max_nodes=max_nodes))
+            if getattr(self.store, "live", None) is None:  # still none after the lookup's version check
+                return _usable(tree, max_nodes)
+        return self._tiers.draft(context_ids, max_nodes)
+
+    def parts(self, context_ids: Sequence[int], max_nodes: int) -> list[Draft | None]:
+        """Return [static, live] trees for the context, looked up once per context."""
+        key = (len(context_ids), int(context_ids[-1]) if len(context_ids) else -1)
+        if self._parts is None or self._parts[:2] != key:
+            found = self._call(lambda: self.store.draft_parts(context_ids, max_nodes=max_nodes))
+            self._parts = (*key, list(found) if found is not None else [None, None])
+        return self._parts[2]
+
+    def _call(self, lookup: Callable[[], Any]) -> Any:
         try:
-            tree = self.store.draft(context_ids, max_nodes=max_nodes)
+            return lookup()
         except _STORE_ERRORS as exc:
             self.failures += 1
             level = logging.WARNING if self.failures == 1 else logging.DEBUG
             log.log(level, "store draft failed, no draft this step (logged once): %s", exc)
             return None
-        if tree is None or len(tree) == 0 or max_nodes <= 0:
-            return None
-        return tree.truncate(max_nodes)
+
+
+class _Tier:
+    """One tier of a `StoreDrafter`'s lookup, as a drafter for the tiers' `MergedDrafter`."""
+
+    def __init__(self, owner: StoreDrafter, which: int) -> None:
+        self.owner, self.which = owner, which
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return this tier's tree for the context, or None."""
+        return _usable(self.owner.parts(context_ids, max_nodes)[self.which], max_nodes)
+
+
+def _usable(tree: Draft | None, max_nodes: int) -> Draft | None:
+    """Return the tree cut to `max_nodes`, or None when it is empty."""
+    if tree is None or len(tree) == 0 or max_nodes <= 0:
+        return None
+    return tree.truncate(max_nodes)
 
 
 class PendingStore:
@@ -89,6 +127,27 @@ class PendingStore:
             return list(store.draft_many(contexts, max_nodes=max_nodes))
         self._retry_when_due()
         return [None] * len(contexts)
+
+    @property
+    def live(self) -> Any:
+        """Return the connected store's live tier (None before it connects or when it has none)."""
+        return getattr(self.store, "live", None)
+
+    def draft_parts(self, context_ids: Sequence[int], max_nodes: int = 64) -> list[Draft | None]:
+        """Return [static, live] drafts once connected, else Nones."""
+        store = self.store
+        if store is not None:
+            return list(store.draft_parts(context_ids, max_nodes=max_nodes))
+        self._retry_when_due()
+        return [None, None]
+
+    def draft_many_parts(self, contexts: Sequence[Sequence[int]], max_nodes: int = 64) -> list[list[Draft | None]]:
+        """Return [static, live] drafts for many contexts in one round trip once connected, else Nones."""
+        store = self.store
+        if store is not None:
+            return [list(p) for p in store.draft_many_parts(contexts, max_nodes=max_nodes)]
+        self._retry_when_due()
+        return [[None, None] for _ in contexts]
 
     def close(self) -> None:
         """Close the store when it was connected; stop trying otherwise."""
@@ -131,14 +190,16 @@ def open_store(
     """Return the published store `name` (a `crest_client.Store`), or a `PendingStore` while the database is down.
 
     Raises StoreNotFound or FingerprintMismatch when the database answers but the store is missing or was built
-    with another tokenizer, and InvalidName for a name that is not an identifier.
+    with another tokenizer, InvalidName for a name that is not an identifier and InvalidDsn for a DSN libpq cannot
+    use. `dsn` is a reader's: else CREST_READ_DATABASE_URL, else the writers' (`crest_client.hosts`).
     """
     from crest_client import Store
 
     check_store_name(name)
 
     def connect() -> Any:
-        return Store.connect(resolve_dsn(dsn), name, tokenizer_fingerprint=fingerprint, connect_timeout=connect_timeout)
+        url = resolve_read_dsn(dsn)
+        return Store.connect(url, name, tokenizer_fingerprint=fingerprint, connect_timeout=connect_timeout)
 
     try:
         return connect()

@@ -3,6 +3,8 @@
 Each stage takes arrays and returns arrays; this module only sequences them, times them, reports progress
 and guarantees the all-or-nothing outcome: the new version becomes visible in one transaction at the end,
 and any failure (or a kill, cleaned up by the next run) leaves the previously published version untouched.
+`ingest` reads and tokenizes a corpus and hands the token arrays to `build_store`, which counts, builds the
+trees, loads and publishes them; the learning tier calls `build_store` on the tokens a store served.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from crest import db
 from crest.config import IngestOptions, check_store_name, fault_pause, resolve_model_spec
 from crest.errors import ConfigError, CorpusError
 from crest.ingest.corpus import CorpusReport, iter_documents
-from crest.ingest.ngrams import count_ngrams, select_top
-from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+from crest.ingest.ngrams import Selected, count_ngrams, select_top
+from crest.ingest.tokenizer import Tokenizer, load_tokenizer, tokenize_corpus
 from crest.ingest.trees import TreeBatch, build_trees
 
 Advance = Callable[[int], None]
@@ -137,6 +139,22 @@ def _remove_stale_workdirs(root: Path) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a version records of its tokenizer: where it loads from, its fingerprint, size and text pieces."""
+
+    spec: str
+    fingerprint: str
+    size: int
+    pieces: Callable[[], Iterable[tuple[int, str]]]  # (id, text), for SQL rendering
+
+    @classmethod
+    def of(cls, tok: Tokenizer, spec: str) -> Vocabulary:
+        """Return the vocabulary of a loaded tokenizer (`spec`: the path or name it was loaded from)."""
+        recorded = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+        return cls(recorded, tok.fingerprint, tok.vocab_size, tok.pieces)
+
+
 def _peak_rss() -> int:
     import resource
 
@@ -177,83 +195,124 @@ def ingest(
         seconds["read_tokenize"] = time.perf_counter() - t0
         if corpus.tokens_total == 0:
             raise CorpusError("the corpus has no tokens: every document was empty")
-        tokens, offsets = corpus.tokens, corpus.doc_offsets
-
-        t0 = time.perf_counter()
-        fault_pause("count")
-        counts = count_ngrams(
-            tokens,
-            offsets,
-            max_n=options.max_n,
-            vocab_size=tok.vocab_size,
-            progress=rep.stage("count n-grams", int(tokens.shape[0]) * options.max_n),
+        summary = build_store(
+            corpus.tokens,
+            corpus.doc_offsets,
+            store=store,
+            dsn=dsn,
+            vocabulary=Vocabulary.of(tok, tokenizer),
+            options=options,
+            params={"format": fmt},
+            report=report,
+            reporter=rep,
             chunk_tokens=chunk_tokens,
+            seconds=seconds,
         )
-        rep.done("count n-grams")
-        seconds["count"] = time.perf_counter() - t0
-
-        build = db.begin_build(
-            dsn,
-            store,
-            fingerprint=tok.fingerprint,
-            tokenizer=str(Path(tokenizer).resolve()) if Path(tokenizer).exists() else str(tokenizer),
-            vocab_size=tok.vocab_size,
-            token_width=token_width(tok.vocab_size),
-            params={**asdict(options), "format": fmt},
-        )
-        try:
-            t0 = time.perf_counter()
-            build.copy_vocab(tok.pieces())
-            fault_pause("build")
-            loader = _Loader(build, tok.vocab_size, options, chunk_tokens=chunk_tokens)
-            top_t = loader.load(tokens, offsets, counts, rep)
-            build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
-            rep.done("build trees + load")
-            seconds["trees_load"] = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            build.finish_tables()
-            sizes = build.table_bytes()
-            summary = IngestSummary(
-                store=store,
-                store_id=build.store_id,
-                documents=report.documents,
-                empty_documents=report.empty_documents,
-                dropped_records=report.dropped_records,
-                drop_reasons=list(report.drop_reasons),
-                tokens=int(corpus.tokens_total),
-                counted={n: int(counts.unique(n)) for n in range(1, options.max_n + 1)},
-                kept=loader.kept,
-                positions={n: int(counts.positions(n)) for n in range(1, options.max_n + 1)},
-                covered=loader.covered,
-                avg_tree_nodes=loader.nodes / max(1, sum(loader.kept.values())),
-                blob_bytes=loader.blob_bytes,
-                table_bytes=sizes["table_bytes"],
-                index_bytes=sizes["index_bytes"],
-                seconds=seconds,
-                top_t=top_t,
-            )
-            if summary.rows == 0:
-                raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
-            build.publish(summary.to_figures())
-            seconds["index_publish"] = time.perf_counter() - t0
-            summary.peak_rss_bytes = _peak_rss()
-            build.set_figures(summary.to_figures())
-        except BaseException:
-            build.fail()
-            raise
-        finally:
-            build.close()
     with db.session(dsn) as conn:
         db.clean_leftovers(conn)
+    return summary
+
+
+def build_store(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    *,
+    store: str,
+    dsn: str,
+    vocabulary: Vocabulary,
+    options: IngestOptions,
+    tier: str = "static",
+    params: dict[str, Any] | None = None,
+    min_count: int = 1,
+    allow_empty: bool = False,
+    report: CorpusReport | None = None,
+    reporter: Reporter | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
+    seconds: dict[str, float] | None = None,
+) -> IngestSummary:
+    """Count, select (n-grams seen `min_count` times or more), build trees, load and publish a version of `store`."""
+    # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
+    options = options.validate().with_defaults()
+    report = report or CorpusReport(documents=len(offsets) - 1)
+    rep = reporter or SilentReporter()
+    seconds = {} if seconds is None else seconds
+    t0 = time.perf_counter()
+    fault_pause("count")
+    counts = count_ngrams(
+        tokens,
+        offsets,
+        max_n=options.max_n,
+        vocab_size=vocabulary.size,
+        progress=rep.stage("count n-grams", int(tokens.shape[0]) * options.max_n),
+        chunk_tokens=chunk_tokens,
+    )
+    rep.done("count n-grams")
+    seconds["count"] = time.perf_counter() - t0
+
+    build = db.begin_build(
+        dsn,
+        store,
+        fingerprint=vocabulary.fingerprint,
+        tokenizer=vocabulary.spec,
+        vocab_size=vocabulary.size,
+        token_width=token_width(vocabulary.size),
+        params={**asdict(options), **(params or {})},
+        tier=tier,
+    )
+    try:
+        t0 = time.perf_counter()
+        build.copy_vocab(vocabulary.pieces())
+        fault_pause("build")
+        loader = _Loader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
+        top_t = loader.load(tokens, offsets, counts, rep)
+        build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
+        rep.done("build trees + load")
+        seconds["trees_load"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        build.finish_tables()
+        sizes = build.table_bytes()
+        summary = IngestSummary(
+            store=store,
+            store_id=build.store_id,
+            documents=report.documents,
+            empty_documents=report.empty_documents,
+            dropped_records=report.dropped_records,
+            drop_reasons=list(report.drop_reasons),
+            tokens=int(offsets[-1]) if len(offsets) else 0,
+            counted={n: int(counts.unique(n)) for n in range(1, options.max_n + 1)},
+            kept=loader.kept,
+            positions={n: int(counts.positions(n)) for n in range(1, options.max_n + 1)},
+            covered=loader.covered,
+            avg_tree_nodes=loader.nodes / max(1, sum(loader.kept.values())),
+            blob_bytes=loader.blob_bytes,
+            table_bytes=sizes["table_bytes"],
+            index_bytes=sizes["index_bytes"],
+            seconds=seconds,
+            top_t=top_t,
+        )
+        if summary.rows == 0 and not allow_empty:
+            raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
+        build.publish(summary.to_figures())
+        seconds["index_publish"] = time.perf_counter() - t0
+        summary.peak_rss_bytes = _peak_rss()
+        build.set_figures(summary.to_figures())
+    except BaseException:
+        build.fail()
+        raise
+    finally:
+        build.close()
     return summary
 
 
 class _Loader:
     """Builds trees for the selected n-grams, encodes them and streams rows into the build's table."""
 
-    def __init__(self, build: db.Build, vocab_size: int, options: IngestOptions, *, chunk_tokens: int) -> None:
+    def __init__(
+        self, build: db.Build, vocab_size: int, options: IngestOptions, *, chunk_tokens: int, min_count: int = 1
+    ) -> None:
         self.chunk_tokens = chunk_tokens
+        self.min_count = min_count
         self.build = build
         self.vocab_size = vocab_size
         self.options = options
@@ -273,7 +332,7 @@ class _Loader:
         self.table = TokenTable.from_counts(unigram)
         if opts.budget is None:
             assert opts.top_t is not None
-            selected = select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n)
+            selected = self._frequent(select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n))
             total = sum(len(s.counts) for s in selected.values())
             advance = rep.stage("build trees + load", total)
             for n, sel in selected.items():
@@ -281,6 +340,16 @@ class _Loader:
                 self.build.copy_ngrams(rows)
             return opts.top_t
         return self._load_budget(tokens, offsets, counts, rep)
+
+    def _frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]:
+        """Return the selection without the n-grams seen fewer than `min_count` times (most common first)."""
+        if self.min_count <= 1:
+            return selected
+        out = {}
+        for n, sel in selected.items():
+            keep = int(np.count_nonzero(sel.counts >= self.min_count))  # counts are sorted descending
+            out[n] = Selected(sel.ngrams[:keep], sel.counts[:keep], sel.keys[:keep])
+        return out
 
     def _rows(
         self,
@@ -348,7 +417,7 @@ class _Loader:
         assert opts.budget is not None
         ns = range(1, opts.max_n + 1) if opts.selection != "single" else [opts.single_n or 1]
         ceiling = max(int(counts.unique(n)) for n in ns)
-        full = select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n)
+        full = self._frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
         advance = rep.stage("build trees + load (budget)", None)
         spent, lo, block = 0, 0, 4096
         while lo < ceiling:

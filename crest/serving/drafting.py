@@ -41,23 +41,43 @@ class StoreLease:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._ready: tuple[int, Draft | None] | None = None  # (context length, prefetched draft)
+        self._ready: tuple[int, list[Draft | None]] | None = None  # (context length, prefetched [static, live])
 
-    def put(self, context_length: int, draft: Draft | None) -> None:
-        """Hold the prefetched draft for the context of this length (taken by the next `draft`)."""
-        self._ready = (context_length, draft)
+    @property
+    def live(self) -> Any:
+        """Return the shared store's live tier (None when it has none)."""
+        return getattr(self.store, "live", None)
+
+    def put(self, context_length: int, parts: list[Draft | None]) -> None:
+        """Hold the prefetched [static, live] drafts for the context of this length (taken by the next draft)."""
+        self._ready = (context_length, parts)
 
     def draft(self, context_ids: Sequence[int], max_nodes: int = 64) -> Draft | None:
-        """Return the prefetched draft for this context when there is one, else ask the store."""
-        ready, self._ready = self._ready, None
-        if ready is not None and ready[0] == len(context_ids):
-            return ready[1].truncate(max_nodes) if ready[1] is not None else None
+        """Return the prefetched static draft for this context when there is one, else ask the store."""
+        ready = self._take(len(context_ids))
+        if ready is not None:
+            return _cut(ready[0], max_nodes)
         result: Draft | None = self.store.draft(context_ids, max_nodes=max_nodes)
         return result
 
+    def draft_parts(self, context_ids: Sequence[int], max_nodes: int = 64) -> list[Draft | None]:
+        """Return the prefetched [static, live] drafts for this context when there are some, else ask the store."""
+        ready = self._take(len(context_ids))
+        if ready is not None:
+            return [_cut(d, max_nodes) for d in ready]
+        return list(self.store.draft_parts(context_ids, max_nodes=max_nodes))
+
+    def _take(self, context_length: int) -> list[Draft | None] | None:
+        ready, self._ready = self._ready, None
+        return ready[1] if ready is not None and ready[0] == context_length else None
+
+
+def _cut(draft: Draft | None, max_nodes: int) -> Draft | None:
+    return draft.truncate(max_nodes) if draft is not None else None
+
 
 def prefetch(leases: Sequence[StoreLease], contexts: Sequence[Sequence[int]], *, max_nodes: int) -> None:
-    """Look up every lease's context, one `draft_many` round trip per distinct store; errors give no drafts."""
+    """Look up every lease's context, one round trip per distinct store (both tiers); errors give no drafts."""
     groups: dict[int, list[int]] = {}
     for i, lease in enumerate(leases):
         groups.setdefault(id(lease.store), []).append(i)
@@ -65,23 +85,23 @@ def prefetch(leases: Sequence[StoreLease], contexts: Sequence[Sequence[int]], *,
         store = leases[members[0]].store
         batch = [contexts[i] for i in members]
         try:
-            drafts = _draft_many(store, batch, max_nodes)
+            parts = _draft_many(store, batch, max_nodes)
         except _STORE_ERRORS as exc:
             log.debug("store lookup failed, no store drafts this step: %s", exc)
-            drafts = [None] * len(members)
-        for i, draft in zip(members, drafts, strict=True):
-            leases[i].put(len(contexts[i]), draft)
+            parts = [[None, None] for _ in members]
+        for i, found in zip(members, parts, strict=True):
+            leases[i].put(len(contexts[i]), found)
 
 
-def _draft_many(store: Any, contexts: list[Sequence[int]], max_nodes: int) -> list[Draft | None]:
-    """Return the store's drafts for all contexts in one pipeline (a pending store: none, and maybe a retry)."""
-    many = getattr(store, "draft_many", None)
+def _draft_many(store: Any, contexts: list[Sequence[int]], max_nodes: int) -> list[list[Draft | None]]:
+    """Return the store's [static, live] drafts for all contexts in one round trip (a pending store: none)."""
+    parts = getattr(store, "draft_many_parts", None)
+    if parts is not None:
+        return [list(p) for p in parts(contexts, max_nodes=max_nodes)]
+    many = getattr(store, "draft_many", None)  # a store without tiers
     if many is not None:
-        return list(many(contexts, max_nodes=max_nodes))
-    inner = getattr(store, "store", None)  # a PendingStore once its database answered
-    if inner is not None and hasattr(inner, "draft_many"):
-        return list(inner.draft_many(contexts, max_nodes=max_nodes))
-    return [store.draft(c, max_nodes) for c in contexts]  # a pending store: None, and a reconnection when due
+        return [[d, None] for d in many(contexts, max_nodes=max_nodes)]
+    return [[store.draft(c, max_nodes), None] for c in contexts]
 
 
 class StepCost:

@@ -4,7 +4,8 @@
 opened once per name (`open_store`: a database that is down gives a store that drafts nothing until it
 answers) and shared by every row that drafts from them, through a `StoreLease` per row so that the scheduler
 looks up a whole batch in one pipeline. A request's drafter is the registry's drafter on that lease, merged
-with a drafter over the request's predicted output when it has one.
+with a drafter over the request's predicted output when it has one. With `learning`, each opened store gets a
+`Learner` that `submit` feeds with the store's finished requests, and a `Refresher` rebuilds the live tiers.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from crest_client.draft import Draft
+from crest_client.learner import Learner
 
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
@@ -22,7 +26,8 @@ from crest.drafters.registry import NAMES, check_drafter, make_drafter
 from crest.drafters.store import RETRY_INTERVAL, open_store
 from crest.errors import ConfigError, ModelError
 from crest.serving.drafting import StoreLease
-from crest.serving.scheduler import Request, Scheduler
+from crest.serving.learning import LearnOptions, Refresher, record_outcome, server_source, store_max_n
+from crest.serving.scheduler import Outcome, Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +68,25 @@ class Engine:
         store: str | None = None,
         drafter: str = "crest+prompt",
         dsn: str | None = None,
+        read_dsn: str | None = None,
         fingerprint: str | None = None,
         retry_interval: float = RETRY_INTERVAL,
+        learning: LearnOptions | None = None,
     ) -> None:
         self.retry_interval = retry_interval
+        self.learning = learning  # None: neither record nor refresh
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.default_store, self.dsn, self.fingerprint = store, dsn, fingerprint
+        self.read_dsn = read_dsn or dsn  # lookups (a replica); learning writes to `dsn`
         self.default_drafter = drafter if store or drafter in ("none", "prompt") else "prompt"
         self._stores: dict[str, Any] = {}
+        self._learners: dict[str, Learner] = {}
+        self.refresher: Refresher | None = None
+        if learning is not None and learning.refresh_interval > 0:
+            self.refresher = Refresher(
+                dsn, self.opened, interval=learning.refresh_interval, window=learning.window,
+                min_new_tokens=learning.refresh_min_tokens, on_result=partial(self._observe, "observe_refresh"),
+            )  # fmt: skip
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,15 +95,22 @@ class Engine:
         """Start the scheduler thread."""
         self._thread = threading.Thread(target=self._run, name="crest-scheduler", daemon=True)
         self._thread.start()
+        if self.refresher is not None:
+            self.refresher.start()
 
     def stop(self, *, timeout: float | None = None) -> None:
-        """Refuse new requests, finish those in flight, stop the thread and close the stores."""
+        """Refuse new requests, finish those in flight, stop the threads, write what was learned, close the stores."""
         self.scheduler.close()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.refresher is not None:
+            self.refresher.stop()
         with self._lock:
             stores, self._stores = list(self._stores.values()), {}
+            learners, self._learners = list(self._learners.values()), {}
+        for learner in learners:
+            learner.close()
         for store in stores:
             try:
                 store.close()
@@ -105,9 +128,34 @@ class Engine:
             found = self._stores.get(name)
             if found is None:
                 found = self._stores[name] = open_store(
-                    name, dsn=self.dsn, fingerprint=self.fingerprint, retry_interval=self.retry_interval
+                    name, dsn=self.read_dsn, fingerprint=self.fingerprint, retry_interval=self.retry_interval
                 )
+                if self.learning is not None and self.learning.record:
+                    try:
+                        self._learners[name] = self._new_learner(name)
+                    except Exception as exc:  # no learning for this store, drafting goes on
+                        log.warning("store %r will not learn: %s", name, exc)
             return found
+
+    def opened(self) -> list[str]:
+        """Return the names of the stores opened so far."""
+        with self._lock:
+            return list(self._stores)
+
+    def learner(self, name: str) -> Learner | None:
+        """Return the learner of the opened store `name`, or None (not opened, or the server does not record)."""
+        with self._lock:
+            return self._learners.get(name)
+
+    def submit(self, job: Request, *, store: str | None = None, learn: bool = True) -> Future[Outcome]:
+        """Queue a request (QueueFull, ShuttingDown); once finished it teaches its store when learning is on."""
+        future = self.scheduler.submit(job)
+        name = store or self.default_store
+        learner = self.learner(name) if learn and name else None
+        if learner is not None and name is not None:
+            max_n = store_max_n(self._stores.get(name))
+            future.add_done_callback(partial(record_outcome, learner, max_n=max_n))
+        return future
 
     def encode(self, prompt: str | list[int] | list[str]) -> list[int]:
         """Return a completion prompt's token ids (text or ids)."""
@@ -157,6 +205,19 @@ class Engine:
             predicted = PredictionDrafter(ids, len(prompt))
             base = predicted if base is None else MergedDrafter(base, predicted)
         return Request(prompt, drafter=base, leases=leases, **options)
+
+    def _new_learner(self, name: str) -> Learner:
+        assert self.learning is not None
+        return Learner(
+            self.dsn, name, source=server_source(), max_pending_tokens=self.learning.max_pending_tokens,
+            flush_interval=self.learning.flush_interval, on_written=partial(self._observe, "observe_learned"),
+            on_dropped=partial(self._observe, "observe_learn_dropped"),
+        )  # fmt: skip
+
+    def _observe(self, method: str, *args: Any) -> None:
+        metrics = self.scheduler.metrics  # set by the app after the stores may have been opened
+        if metrics is not None:
+            getattr(metrics, method)(*args)
 
     def _run(self) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a server: requests, tokens, accepted tokens per step, draft latency, queue depth, batch size.
+"""Prometheus metrics of a server: requests, tokens, accepted tokens per step, draft latency, queue depth, batch size,
+and learning: tokens written to the stores' learned logs or dropped, and the live tiers' refreshes.
 
 One `ServerMetrics` per server, on its own `CollectorRegistry` (so several servers in one process, as in the
 tests, never clash); `GET /metrics` renders it in the Prometheus text format.
@@ -41,6 +42,15 @@ class ServerMetrics:
         self.queue_depth = Gauge("crest_queue_depth", "Requests waiting for a batch row", registry=r)
         self.batch_size = Gauge("crest_batch_size", "Rows in the batch", registry=r)
         self.steps = Counter("crest_steps", "Batched decoding steps (one target forward each)", registry=r)
+        self.learned_tokens = Counter(
+            "crest_learned_tokens", "Served tokens written to the stores' learned logs", registry=r
+        )
+        self.learn_dropped_tokens = Counter(
+            "crest_learn_dropped_tokens", "Served tokens not learned (queue full or database failing)", registry=r
+        )
+        self.live_refreshes = Counter("crest_live_refresh", "Live-tier refreshes by result", ["result"], registry=r)
+        for result in ("published", "nothing", "failed"):
+            self.live_refreshes.labels(result)
 
     def observe_step(self, *, rows: int, accepted: list[int], draft_seconds: float) -> None:
         """Record one batched step."""
@@ -62,6 +72,18 @@ class ServerMetrics:
         """Record the queue depth and batch size between steps."""
         self.queue_depth.set(queued)
         self.batch_size.set(active)
+
+    def observe_learned(self, rows: int, tokens: int) -> None:
+        """Record tokens a store's learner wrote."""
+        self.learned_tokens.inc(tokens)
+
+    def observe_learn_dropped(self, rows: int, tokens: int) -> None:
+        """Record tokens a store's learner dropped."""
+        self.learn_dropped_tokens.inc(tokens)
+
+    def observe_refresh(self, result: str) -> None:
+        """Record one live-tier refresh: published, nothing or failed."""
+        self.live_refreshes.labels(result).inc()
 
     def count_request(self, endpoint: str, status: int) -> None:
         """Count one HTTP request."""

@@ -2,8 +2,9 @@
 
 Requests accept the fields of OpenAI's completions and chat completions that the server honours, the ones it
 can accept only at their neutral value (`n` 1, no `logprobs`, no tools, zero penalties) and Crest's own:
-`store` (which store drafts for this request), `drafter` (a drafter name) and OpenAI's predicted outputs,
-`prediction: {"type": "content", "content": ...}`. Anything else is refused with a 400 rather than ignored.
+`store` (which store drafts for this request), `drafter` (a drafter name), `learn` (whether the finished
+request teaches its store, default true) and OpenAI's predicted outputs, `prediction: {"type": "content",
+"content": ...}`. Anything else is refused with a 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class _Common(BaseModel):
     # crest's own
     store: str | None = None
     drafter: str | None = None
+    learn: bool = True  # the finished request teaches its store (when the server learns)
     prediction: Prediction | None = None
 
     def stops(self) -> list[str]:

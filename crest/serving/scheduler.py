@@ -132,6 +132,7 @@ class Scheduler:
         self._idle = 0
         self._ids = itertools.count()
         self._costs: StepCost | None = None  # made on the first drafted step (calibrating the model)
+        self._observe_costs = cost is None  # a given cost model is taken as it is (tests pin the sizes with one)
 
     @property
     def active(self) -> int:
@@ -303,9 +304,9 @@ class Scheduler:
         if not self.adaptive or not any(len(d) for d in drafts):
             return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
         scale = self.acceptance_scale
-        if self._costs is None:
+        if self._costs is None and self._observe_costs:
             self._costs = StepCost(self.gen.cost())
-        sizes = batch_draft_sizes(drafts, self._costs, acceptance_scale=scale)
+        sizes = batch_draft_sizes(drafts, self._costs or self.gen.cost(), acceptance_scale=scale)
         self._idle = 0 if any(sizes) else self._idle + 1
         if not any(sizes) and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(rows)):
             # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less

@@ -1,0 +1,74 @@
+"""Which stored suffix of a context drafts: the longest, or the one whose tree promises the most.
+
+The longest stored suffix is the most specific evidence, but a rare n-gram's tree comes from a handful of
+occurrences, and a store that keeps more n-grams hands more contexts such thin trees instead of the rich tree of a
+shorter suffix. The `expected` rule looks up every stored suffix length in the same round trip and keeps the one
+with the highest estimated chance that its first draft token is right: the weight of its heaviest root child (read
+from a format-2 blob's header without decoding; a format-1 blob is decoded) over the occurrences its tree was built
+from, with one pseudo-occurrence added (`first / (occurrences + PRIOR)`), so three agreeing occurrences (0.75) do
+not beat a thousand of which 90% agree; ties go to the longer suffix. `longest` is the classic rule (the first hit
+of the longest-first probes). The rule is `Store.connect(rule=...)`, else `CREST_SUFFIX_RULE`, else `DEFAULT_RULE`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from crest_client.codec import decode_tree
+from crest_client.errors import CrestClientError
+
+RULES = ("longest", "expected")
+DEFAULT_RULE = "expected"
+PRIOR = 1.0  # pseudo-occurrences added to every tree's count
+
+
+def resolve_rule(rule: str | None = None) -> str:
+    """Return the suffix rule: the argument, else CREST_SUFFIX_RULE, else the default; raise on an unknown one."""
+    value = (rule or os.environ.get("CREST_SUFFIX_RULE") or DEFAULT_RULE).strip().lower()
+    if value not in RULES:
+        raise CrestClientError(f"unknown suffix rule {value!r}: use one of {', '.join(RULES)}")
+    return value
+
+
+def first_weight(tree: bytes) -> int | None:
+    """Return the weight of a format-2 blob's first (heaviest) node from its header; None for other blobs."""
+    if len(tree) < 4 or tree[0] != 2:
+        return None
+    pos = 2
+    while pos < len(tree) and tree[pos] & 0x80:  # the node count (LEB128)
+        pos += 1
+    pos += 1 if tree[1] & 0x01 else 2  # ranked blobs have no widest-class byte
+    value = shift = 0
+    while pos < len(tree):
+        byte = tree[pos]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value
+        pos, shift = pos + 1, shift + 7
+    return None
+
+
+def promise(n: int, count: int, tree: bytes, *, max_matches: int) -> float:
+    """Return the estimated chance that the tree's first draft token is right (-1 when the header says nothing)."""
+    first = first_weight(tree)
+    if first is None:  # a format-1 blob keeps its weights in a byte array: decode it
+        try:
+            weights = decode_tree(tree).weights
+        except CrestClientError:
+            return -1.0
+        if not len(weights):
+            return -1.0
+        first = int(weights[0])
+    built_from = max(1, min(int(count), int(max_matches)))  # trees are built from a sample of max_matches
+    return first / (built_from + PRIOR)
+
+
+def choose(rows: Sequence[tuple[int, int, bytes]], *, max_matches: int) -> int:
+    """Return the index of the (n, count, tree) row to draft from: the most promising, longer on ties."""
+    best, best_key = 0, (-2.0, -1)
+    for j, (n, count, tree) in enumerate(rows):
+        key = (promise(n, count, tree, max_matches=max_matches), int(n))
+        if key > best_key:
+            best, best_key = j, key
+    return best

@@ -1,0 +1,156 @@
+"""The journal of what stores served: `crest_learned`, an append-only log of token lists, one row per request.
+
+`append_learned` writes token lists with one COPY in one transaction (all or nothing; the reader role may do
+it, it holds INSERT on this table alone). Tokens are stored as little-endian uint32, `n_tokens` beside them;
+`prompt_tokens` says how many leading ids were prompt context rather than served output. `read_window`
+returns the most recent W tokens of a store as one token array with document offsets (a row is a document,
+its prompt context included), the form `crest.ingest.pipeline.build_store` takes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import psycopg
+
+from crest import db
+from crest.config import check_store_name
+from crest.errors import ConfigError, DatabaseError
+
+log = logging.getLogger(__name__)
+
+_MAX_ID = 2**32 - 1
+_FETCH_ROWS = 2000
+
+
+@dataclass
+class Window:
+    """The last learned tokens of a store: document d is tokens[offsets[d]:offsets[d + 1]], oldest first."""
+
+    tokens: np.ndarray  # [N] int32
+    offsets: np.ndarray  # [D + 1] int64
+    from_id: int  # id of the oldest row in the window (its oldest tokens may be cut off)
+    through_id: int  # id of the newest row read (included, or left out for ids outside the vocabulary)
+    rows: int
+
+    @property
+    def n_tokens(self) -> int:
+        """Return how many tokens the window holds."""
+        return int(self.tokens.shape[0])
+
+
+def encode_tokens(ids: Sequence[int] | np.ndarray) -> bytes:
+    """Return token ids as little-endian uint32 bytes (raise ConfigError on an id outside 0..2**32-1)."""
+    array = np.asarray(ids)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ConfigError("learned tokens must be a flat list of integer token ids")
+    if array.size and (int(array.min()) < 0 or int(array.max()) > _MAX_ID):
+        raise ConfigError("learned token ids must lie in 0..2**32-1")
+    return array.astype("<u4").tobytes()
+
+
+def decode_tokens(data: bytes) -> np.ndarray:
+    """Return the token ids [N] int64 of a learned row's bytes."""
+    return np.frombuffer(data, dtype="<u4").astype(np.int64)
+
+
+def append_learned(
+    conn_or_dsn: psycopg.Connection[Any] | str,
+    store: str,
+    token_lists: Sequence[Sequence[int] | np.ndarray],
+    *,
+    prompt_tokens: int | Sequence[int] = 0,
+    source: str = "",
+) -> int:
+    """Append one row per non-empty token list to the store's learned log, all or none; return rows written."""
+    check_store_name(store)
+    prompts = [prompt_tokens] * len(token_lists) if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    if len(prompts) != len(token_lists):
+        raise ConfigError(f"{len(prompts)} prompt_tokens for {len(token_lists)} token lists")
+    rows = []
+    for ids, prompt in zip(token_lists, prompts, strict=True):
+        data = encode_tokens(ids)
+        n = len(data) // 4
+        if not 0 <= int(prompt) <= n:
+            raise ConfigError(f"prompt_tokens {prompt} is not between 0 and the row's {n} tokens")
+        if n:
+            rows.append((store, data, n, int(prompt), source))
+    if not rows:
+        return 0
+    if isinstance(conn_or_dsn, str):
+        with db.session(conn_or_dsn) as conn:
+            return _copy_rows(conn, rows)
+    try:
+        return _copy_rows(conn_or_dsn, rows)
+    except psycopg.Error as exc:
+        raise DatabaseError(f"could not append to the learned log: {str(exc).strip()}") from None
+
+
+def _copy_rows(conn: psycopg.Connection[Any], rows: list[tuple[str, bytes, int, int, str]]) -> int:
+    query = "COPY crest_learned (store, tokens, n_tokens, prompt_tokens, source) FROM STDIN (FORMAT BINARY)"
+    with conn.transaction(), conn.cursor() as cur, cur.copy(query) as copy:
+        copy.set_types(["text", "bytea", "int4", "int4", "text"])
+        for row in rows:
+            copy.write_row(row)
+    return len(rows)
+
+
+def new_since(conn: psycopg.Connection[Any], store: str, after_id: int) -> tuple[int, int, int]:
+    """Return (rows, tokens, newest id) of the store's learned rows with an id above `after_id`."""
+    row = conn.execute(
+        "SELECT count(*), coalesce(sum(n_tokens), 0), coalesce(max(id), 0) FROM crest_learned"
+        " WHERE store = %s AND id > %s",
+        (store, after_id),
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def read_window(
+    conn: psycopg.Connection[Any],
+    store: str,
+    *,
+    window: int,
+    through_id: int | None = None,
+    vocab_size: int | None = None,
+) -> Window:
+    """Return the store's last `window` learned tokens (rows up to `through_id`), a row cut at the window's start.
+
+    Rows holding an id of `vocab_size` or more (not the store's tokenizer) are left out.
+    """
+    if window < 1:
+        raise ConfigError(f"the learning window must be a positive number of tokens, got {window}")
+    check_store_name(store)
+    parts: list[np.ndarray] = []
+    ids: list[int] = []
+    total = skipped = newest = 0
+    with conn.transaction(), conn.cursor(name="crest_learned_window") as cur:
+        cur.itersize = _FETCH_ROWS
+        cur.execute(
+            "SELECT id, tokens FROM crest_learned WHERE store = %s AND id <= %s ORDER BY id DESC",
+            (store, 2**63 - 1 if through_id is None else through_id),
+        )
+        for sid, data in cur:  # newest first
+            newest = max(newest, int(sid))
+            tokens = np.frombuffer(bytes(data), dtype="<u4")
+            if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+                skipped += 1
+                continue
+            take = min(len(tokens), window - total)
+            parts.append(tokens[len(tokens) - take :])
+            ids.append(int(sid))
+            total += take
+            if total >= window:
+                break
+    parts.reverse()
+    lengths = np.array([len(p) for p in parts], dtype=np.int64)
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, dtype=np.int32)
+    if skipped:
+        log.warning("left %d learned rows of store %r out: they hold ids outside its vocabulary", skipped, store)
+    return Window(tokens, offsets, from_id=min(ids, default=0), through_id=newest, rows=len(ids))

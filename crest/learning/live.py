@@ -1,0 +1,184 @@
+"""The live tier: a store version built from the last W tokens the store served, published beside its static one.
+
+`refresh_live` holds the store's refresh lock (a session advisory lock; a second refresh of the same store
+skips instead of waiting), returns None when nothing was learned since the published live version's
+`through_id` (or fewer than `min_new_tokens` tokens), else reads the window and builds it with
+`crest.ingest.pipeline.build_store` as a `live` version: the static version's tokenizer (fingerprint, size,
+vocabulary copied from it) and build options, keeping the n-grams seen at least `min_count` times, at most
+`max_ngrams` of each n. It is published in one transaction that retires only the previous live version, so
+a refresh killed at any point leaves the previous live version published; the retired one is then dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from crest import db
+from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions, check_store_name
+from crest.db.versions import refresh_lock_key
+from crest.errors import ConfigError, StoreNotFound
+from crest.ingest.pipeline import CHUNK_TOKENS, Reporter, Vocabulary, build_store
+from crest.learning.journal import new_since, read_window
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_COUNT = 2  # an n-gram seen once in the window drafts what its one occurrence did, rarely right
+
+
+@dataclass
+class RefreshResult:
+    """What a refresh published: the live version, the learned rows and tokens it was built from, its size."""
+
+    store: str
+    store_id: int
+    replaced: int | None  # the live version it retired
+    from_id: int
+    through_id: int
+    rows: int
+    tokens: int
+    new_rows: int
+    ngrams: int
+    table_bytes: int
+    index_bytes: int
+    seconds: float
+
+
+def refresh_live(
+    dsn: str,
+    store: str,
+    *,
+    window: int = DEFAULT_LEARN_WINDOW,
+    min_new_tokens: int = 0,
+    min_count: int = DEFAULT_MIN_COUNT,
+    max_ngrams: int = DEFAULT_TOP_T,
+    chunk_tokens: int = CHUNK_TOKENS,
+    reporter: Reporter | None = None,
+) -> RefreshResult | None:
+    """Build and publish a live version of `store` from its last `window` learned tokens; None when skipped."""
+    check_store_name(store)
+    for label, value, low in (
+        ("--window", window, 1),
+        ("--min-new-tokens", min_new_tokens, 0),
+        ("--min-count", min_count, 1),
+        ("--max-ngrams", max_ngrams, 1),
+    ):
+        if value < low:
+            raise ConfigError(f"{label} must be at least {low}, got {value}")
+    with db.session(dsn, autocommit=True) as conn:
+        got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", refresh_lock_key(store)).fetchone()
+        if not (got and got[0]):
+            log.info("store %r: another refresh is running, skipped", store)
+            return None
+        try:
+            return _refresh(
+                conn,
+                dsn,
+                store,
+                window=window,
+                min_new_tokens=min_new_tokens,
+                min_count=min_count,
+                max_ngrams=max_ngrams,
+                chunk_tokens=chunk_tokens,
+                reporter=reporter,
+            )
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s, %s)", refresh_lock_key(store))
+
+
+def _refresh(
+    conn: psycopg.Connection[Any],
+    dsn: str,
+    store: str,
+    *,
+    window: int,
+    min_new_tokens: int,
+    min_count: int,
+    max_ngrams: int,
+    chunk_tokens: int,
+    reporter: Reporter | None,
+) -> RefreshResult | None:
+    db.clean_leftovers(conn, name=store, tier="live")  # a killed refresh's build
+    static = published_version(conn, store, "static")
+    if static is None:
+        raise StoreNotFound(f"no published store named {store!r}")
+    live = published_version(conn, store, "live")
+    after = int(live["params"].get("through_id", 0)) if live else 0
+    new_rows, new_tokens, newest = new_since(conn, store, after)
+    if new_rows == 0 or new_tokens < min_new_tokens:
+        return None
+    win = read_window(conn, store, window=window, through_id=newest, vocab_size=int(static["vocab_size"]))
+    if win.n_tokens == 0:
+        return None
+    vocab = conn.execute(
+        "SELECT token_id, piece FROM crest_vocab WHERE store_id = %s ORDER BY token_id", (static["id"],)
+    )
+    pieces = [(int(i), str(p)) for i, p in vocab]
+    vocabulary = Vocabulary(
+        spec=str(static["tokenizer"]),
+        fingerprint=str(static["tokenizer_fingerprint"]),
+        size=int(static["vocab_size"]),
+        pieces=lambda: pieces,
+    )
+    options = dataclasses.replace(static_options(static["params"]), top_t=max_ngrams, budget=None)
+    params = {
+        "tier": "live",
+        "from_id": win.from_id,
+        "through_id": newest,
+        "window": window,
+        "min_count": min_count,
+        "max_ngrams": max_ngrams,
+        "static_version": int(static["id"]),
+    }
+    summary = build_store(
+        win.tokens,
+        win.offsets,
+        store=store,
+        dsn=dsn,
+        vocabulary=vocabulary,
+        options=options,
+        tier="live",
+        params=params,
+        min_count=min_count,
+        allow_empty=True,  # nothing seen twice yet: an empty live version still records through_id
+        reporter=reporter,
+        chunk_tokens=chunk_tokens,
+    )
+    db.clean_leftovers(conn, name=store, tier="live")  # the live version it replaced
+    return RefreshResult(
+        store=store,
+        store_id=summary.store_id,
+        replaced=int(live["id"]) if live else None,
+        from_id=win.from_id,
+        through_id=newest,
+        rows=win.rows,
+        tokens=win.n_tokens,
+        new_rows=new_rows,
+        ngrams=summary.rows,
+        table_bytes=summary.table_bytes,
+        index_bytes=summary.index_bytes,
+        seconds=round(sum(summary.seconds.values()), 3),
+    )
+
+
+def published_version(conn: psycopg.Connection[Any], store: str, tier: str) -> dict[str, Any] | None:
+    """Return the published version of `store` in `tier` as a dict of its crest_stores columns, or None."""
+    cur = conn.execute(
+        "SELECT id, tokenizer, tokenizer_fingerprint, vocab_size, token_width, params FROM crest_stores"
+        " WHERE name = %s AND tier = %s AND state = 'published'",
+        (store, tier),
+    )
+    row = cur.fetchone()
+    if row is None:
+        return None
+    return dict(zip([c.name for c in cur.description or []], row, strict=True))
+
+
+def static_options(params: dict[str, Any]) -> IngestOptions:
+    """Return the build options recorded in a version's params (other keys ignored)."""
+    names = {f.name for f in dataclasses.fields(IngestOptions)}
+    return IngestOptions(**{k: v for k, v in params.items() if k in names})

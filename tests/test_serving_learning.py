@@ -1,0 +1,300 @@
+"""The server learns from what it serves: real Postgres, a tiny random llama over the real SmolLM2 tokenizer.
+
+A finished request writes its prompt's last max-n tokens and its output to its store's learned log unless the
+server or the request says not to; a second server on the same database drafts the first one's outputs after
+a refresh (the users ask twice: a live tier keeps the n-grams seen at least twice); a new server after a
+restart reads the live tier; greedy output is the same with learning on and
+off; refresh failures are counted and said once; the metrics count what was learned and refreshed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
+from crest.decoding.sizing import CostModel
+from crest.ingest.pipeline import ingest
+from crest.serving.app import create_app
+from crest.serving.engine import Engine
+from crest.serving.learning import LearnOptions, Refresher, served_tokens
+from crest.serving.metrics import ServerMetrics
+from crest.serving.scheduler import Scheduler
+from tests.fix_models import tiny_model
+
+pytest_plugins = ["tests.fix_corpus"]
+
+CORPUS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 20
+PROMPT = "def add(a, b):\n    return"
+MAX_N = IngestOptions().max_n
+FLAT = CostModel([1, 64], [1.0, 1.0])  # drafting always pays: whole trees are verified
+QUIET = LearnOptions(refresh_interval=3600, refresh_min_tokens=0, flush_interval=0.05)  # refreshes when told
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_tokenizer: Any) -> Iterator[Any]:
+    """A tiny random llama over the SmolLM2 vocabulary, on one torch thread (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield tiny_model("llama", vocab=len(smollm2_tokenizer.hf), max_positions=2048, dtype=torch.float64)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def code_dsn(db_dsn: str, smollm2_gguf: Path, tmp_path: Path) -> str:
+    """A database holding the static store `code`, built from a small Python corpus."""
+    corpus = tmp_path / "code.jsonl"
+    corpus.write_text(json.dumps({"text": CORPUS}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="code", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
+    return db_dsn
+
+
+def engine(model: Any, tokenizer: Any, dsn: str, learning: LearnOptions | None, *, drafter: str = "crest") -> Engine:
+    """Return a started engine serving store `code` (opened) with these learning options."""
+    sched = Scheduler(model, tokenizer.hf, cost=FLAT, max_batch=4)
+    found = Engine(sched, tokenizer.hf, model_name="tiny", store="code", drafter=drafter, dsn=dsn,
+                   fingerprint=tokenizer.fingerprint, learning=learning)  # fmt: skip
+    found.store("code")
+    found.start()
+    return found
+
+
+def complete(found: Engine, prompt: list[int], *, max_tokens: int = 16, learn: bool = True, **kw: Any) -> Any:
+    """Return the outcome of one greedy request through the engine."""
+    job = found.request(prompt, drafter=kw.pop("drafter", None), store=None, prediction=None, max_tokens=max_tokens)
+    return found.submit(job, store=None, learn=learn).result(timeout=120)
+
+
+def learned(dsn: str) -> list[tuple[list[int], int, str]]:
+    """Return store `code`'s learned rows in id order: (token ids, prompt_tokens, source)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT tokens, prompt_tokens, source FROM crest_learned WHERE store = 'code' ORDER BY id"
+        ).fetchall()
+    return [(np.frombuffer(t, dtype="<u4").tolist(), p, s) for t, p, s in rows]
+
+
+def reference(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+    )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def live_next(found: Engine, context: list[int], *, wait: float = 0.0) -> list[int]:
+    """Return the depth-1 tokens of the live tier's draft for the context ([] without one, after `wait` seconds)."""
+    deadline = time.monotonic() + wait
+    while True:
+        parts = found.store("code").draft_parts(context, 64)  # the store moves to a new live version within 1 s
+        live = parts[1] if len(parts) > 1 else None
+        if live is not None:
+            return [int(t) for t, p in zip(live.tokens, live.parents, strict=True) if p == -1]
+        if time.monotonic() >= deadline:
+            return []
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("learning", "learn", "writes"),
+    [(QUIET, True, True), (LearnOptions(record=False, refresh_interval=0), True, False), (QUIET, False, False)],
+    ids=["on", "server-off", "request-off"],
+)
+def test_finished_requests_are_learned_unless_switched_off(
+    tiny: Any, smollm2_tokenizer: Any, code_dsn: str, learning: LearnOptions, learn: bool, writes: bool
+) -> None:
+    prompt = smollm2_tokenizer.hf.encode(PROMPT, add_special_tokens=False)
+    found = engine(tiny, smollm2_tokenizer, code_dsn, learning)
+    try:
+        out = complete(found, prompt, learn=learn).result.output_token_ids
+    finally:
+        found.stop()  # writes what was queued
+    want = [(prompt[-MAX_N:] + out, MAX_N)] if writes else []
+    assert [(ids, p) for ids, p, _ in learned(code_dsn)] == want
+    assert all(source.startswith("serve@") for _, _, source in learned(code_dsn))
+
+
+def test_cancelled_requests_teach_nothing(tiny: Any, smollm2_tokenizer: Any, code_dsn: str) -> None:
+    found = engine(tiny, smollm2_tokenizer, code_dsn, QUIET)
+    try:
+        job = found.request([5, 6, 7], drafter=None, store=None, prediction=None, max_tokens=16)
+        job.cancelled.set()
+        assert found.submit(job).result(timeout=60).cancelled
+        complete(found, [8, 9, 10], max_tokens=4)
+    finally:
+        found.stop()
+    assert [ids[:3] for ids, _, _ in learned(code_dsn)] == [[8, 9, 10]]
+
+
+def test_a_second_server_drafts_the_first_ones_outputs_after_a_refresh(
+    tiny: Any, smollm2_tokenizer: Any, code_dsn: str
+) -> None:
+    prompt = smollm2_tokenizer.hf.encode(PROMPT, add_special_tokens=False)
+    first = engine(tiny, smollm2_tokenizer, code_dsn, QUIET)
+    second = engine(tiny, smollm2_tokenizer, code_dsn, QUIET)
+    try:
+        out = complete(first, prompt, max_tokens=24).result.output_token_ids
+        complete(first, prompt, max_tokens=24)  # asked again: a live tier keeps n-grams seen at least twice
+        learner = first.learner("code")
+        assert learner is not None and learner.flush(timeout=30)
+        context = prompt + out[:6]
+        assert live_next(second, context) == []  # nothing live yet
+        assert second.refresher is not None and second.refresher.refresh_once() == {"code": "published"}
+        with psycopg.connect(code_dsn) as conn:
+            params = conn.execute(
+                "SELECT params FROM crest_stores WHERE name = 'code' AND tier = 'live' AND state = 'published'"
+            ).fetchone()
+        assert params is not None and params[0]["tier"] == "live"
+        assert out[6] in live_next(second, context, wait=10)  # the first server's next token, drafted by the second
+        assert second.refresher.refresh_once() == {"code": "nothing"}  # nothing new learned since
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_learning_survives_a_restart(tiny: Any, smollm2_tokenizer: Any, code_dsn: str) -> None:
+    prompt = smollm2_tokenizer.hf.encode("def sub(a, b):", add_special_tokens=False)
+    before = engine(tiny, smollm2_tokenizer, code_dsn, QUIET)
+    try:
+        first = complete(before, prompt, max_tokens=24)
+        out = first.result.output_token_ids
+        complete(before, prompt, max_tokens=24)
+        learner = before.learner("code")
+        assert learner is not None and learner.flush(timeout=30)
+        assert before.refresher is not None and before.refresher.refresh_once() == {"code": "published"}
+    finally:
+        before.stop()
+    after = engine(tiny, smollm2_tokenizer, code_dsn, QUIET)  # a new process would open the store the same way
+    try:
+        assert out[8] in live_next(after, prompt + out[:8], wait=10)
+        again = complete(after, prompt, max_tokens=24)
+        assert again.result.output_token_ids == out
+        assert again.accepted_draft_tokens > first.accepted_draft_tokens  # drafted from what was learned before
+    finally:
+        after.stop()
+
+
+def test_greedy_output_is_the_same_with_learning_on_and_off(tiny: Any, smollm2_tokenizer: Any, code_dsn: str) -> None:
+    prompts = [smollm2_tokenizer.hf.encode(p, add_special_tokens=False) for p in (PROMPT, "def sub(a", "x = [1, 2")]
+    on = engine(tiny, smollm2_tokenizer, code_dsn, QUIET, drafter="crest+prompt")
+    off = engine(tiny, smollm2_tokenizer, code_dsn, None, drafter="crest+prompt")
+    try:
+        for round_ in range(2):  # the second round drafts from the live tier built from the first
+            for prompt in prompts:
+                want = reference(tiny, prompt, 20)
+                assert complete(on, prompt, max_tokens=20).result.output_token_ids == want, round_
+                assert complete(off, prompt, max_tokens=20).result.output_token_ids == want, round_
+            learner = on.learner("code")
+            assert learner is not None and learner.flush(timeout=30)
+            assert on.refresher is not None and on.refresher.refresh_once()["code"] != "failed"
+            time.sleep(1.2)  # the store moves to the new live version within its refresh interval (1 s)
+        assert off.learner("code") is None and off.refresher is None
+    finally:
+        on.stop()
+        off.stop()
+
+
+def test_request_field_and_metrics_over_http(tiny: Any, smollm2_tokenizer: Any, code_dsn: str) -> None:
+    sched = Scheduler(tiny, smollm2_tokenizer.hf, cost=FLAT)
+    found = Engine(sched, smollm2_tokenizer.hf, model_name="tiny", store="code", drafter="crest", dsn=code_dsn,
+                   fingerprint=smollm2_tokenizer.fingerprint, learning=QUIET)  # fmt: skip
+    found.store("code")
+    metrics = ServerMetrics()
+    with TestClient(create_app(found, metrics=metrics)) as client:
+        body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+        assert client.post("/v1/completions", json={**body, "learn": False}).status_code == 200
+        assert client.post("/v1/completions", json={**body, "learn": True}).status_code == 200
+        assert client.post("/v1/completions", json={**body, "learn": "sometimes"}).status_code == 400
+        learner = found.learner("code")
+        assert learner is not None and learner.flush(timeout=30)
+        assert found.refresher is not None
+        found.refresher.refresh_once()
+        text = client.get("/metrics").text
+    assert len(learned(code_dsn)) == 1
+    assert f"crest_learned_tokens_total {float(MAX_N + 5)}" in text
+    assert "crest_learn_dropped_tokens_total 0.0" in text
+    assert 'crest_live_refresh_total{result="published"} 1.0' in text
+    assert 'crest_live_refresh_total{result="failed"} 0.0' in text
+
+
+def test_refresh_failures_are_counted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+    refresher = Refresher("postgresql://u@127.0.0.1:1/db?connect_timeout=1", lambda: ["code", "chat"],
+                          on_result=seen.append)  # fmt: skip
+    caplog.set_level(logging.DEBUG, logger="crest.serving.learning")
+    assert refresher.refresh_once() == {"code": "failed", "chat": "failed"}
+    assert refresher.refresh_once() == {"code": "failed", "chat": "failed"}
+    assert seen == ["failed"] * 4 and refresher.counts["failed"] == 4
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_a_refresher_with_interval_zero_never_starts() -> None:
+    refresher = Refresher(None, lambda: ["code"], interval=0)
+    refresher.start()
+    refresher.stop()
+    assert refresher.counts == {"published": 0, "nothing": 0, "failed": 0}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_n", "want"),
+    [([1, 2, 3, 4, 5], 3, ([3, 4, 5, 9], 3)), ([1, 2], 4, ([1, 2, 9], 2)), ([1, 2], 0, ([9], 0))],
+    ids=["long-prompt", "short-prompt", "no-context"],
+)
+def test_served_tokens_are_the_prompt_tail_and_the_output(
+    prompt: list[int], max_n: int, want: tuple[list[int], int]
+) -> None:
+    assert served_tokens(prompt, [9], max_n=max_n) == want
+
+
+def _crest(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """Run `crest ARGS` through main(); return the exit code and stderr."""
+    from crest.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["crest", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main()
+    return int(done.value.code or 0), capsys.readouterr().err
+
+
+def test_serve_learning_options_and_their_variables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr("crest.cli.serve.run_serve", lambda **kw: seen.append(kw))
+    assert _crest(monkeypatch, capsys, "serve", "--store", "code")[0] == 0
+    for key, value in {"CREST_LEARN": "false", "CREST_LEARN_WINDOW": "5000", "CREST_REFRESH_INTERVAL": "2.5",
+                       "CREST_REFRESH_MIN_TOKENS": "7"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    assert _crest(monkeypatch, capsys, "serve", "--store", "code")[0] == 0
+    assert _crest(monkeypatch, capsys, "serve", "--store", "code", "--learn", "--refresh-interval", "0")[0] == 0
+    picked = [(kw["learn"], kw["learn_window"], kw["refresh_interval"], kw["refresh_min_tokens"]) for kw in seen]
+    assert picked == [
+        (True, DEFAULT_LEARN_WINDOW, 10.0, 2048), (False, 5000, 2.5, 7), (True, 5000, 0.0, 7)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "option", [["--learn-window", "0"], ["--refresh-interval", "-1"], ["--refresh-min-tokens", "-5"]],
+    ids=["window", "interval", "min-tokens"],
+)  # fmt: skip
+def test_serve_refuses_bad_learning_options_before_loading_a_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], option: list[str]
+) -> None:
+    monkeypatch.setattr("crest.decoding.models.load_model", lambda *a, **kw: pytest.fail("loaded a model"))
+    code, err = _crest(monkeypatch, capsys, "serve", "--drafter", "prompt", *option)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and option[0] in lines[0] and "Traceback" not in err
