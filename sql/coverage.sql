@@ -3,6 +3,7 @@
 -- corpus positions (n-gram occurrences) whose n-token suffix is stored, i.e. where a lookup of that length hits.
 -- Usage: psql "$CREST_DATABASE_URL" -f sql/coverage.sql
 SELECT s.name AS store,
+       s.tier,
        g.n,
        (s.figures -> 'counted' ->> g.n::text)::bigint AS counted,
        count(*) AS kept,
@@ -13,5 +14,5 @@ SELECT s.name AS store,
 FROM crest_stores AS s
 JOIN crest_ngrams AS g ON g.store_id = s.id
 WHERE s.state = 'published'
-GROUP BY s.name, s.figures, g.n
-ORDER BY s.name, g.n;
+GROUP BY s.name, s.tier, s.figures, g.n
+ORDER BY s.name, s.tier DESC, g.n;

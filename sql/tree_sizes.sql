@@ -3,7 +3,7 @@
 -- so no decoding is needed.
 -- Usage: psql "$CREST_DATABASE_URL" -f sql/tree_sizes.sql
 WITH sizes AS (
-    SELECT s.name, g.n,
+    SELECT s.name, s.tier, g.n,
            CASE WHEN get_byte(g.tree, 1) & 128 = 0 THEN get_byte(g.tree, 2)
                 ELSE get_byte(g.tree, 2) + 256 * get_byte(g.tree, 3) END AS nodes,
            length(g.tree) AS blob_bytes
@@ -12,6 +12,7 @@ WITH sizes AS (
     WHERE s.state = 'published'
 )
 SELECT name AS store,
+       tier,
        n,
        count(*) AS ngrams,
        round(avg(nodes), 2) AS avg_nodes,
@@ -24,5 +25,5 @@ SELECT name AS store,
        count(*) FILTER (WHERE nodes >= 64) AS nodes_64_up,
        round(avg(blob_bytes), 1) AS avg_blob_bytes
 FROM sizes
-GROUP BY name, n
-ORDER BY name, n;
+GROUP BY name, tier, n
+ORDER BY name, tier DESC, n;

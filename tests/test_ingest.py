@@ -85,8 +85,8 @@ def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:
     with psycopg.connect(db_dsn) as conn:
         coverage = conn.execute((SQL / "coverage.sql").read_text()).fetchall()
         top = conn.execute((SQL / "top_ngrams.sql").read_text()).fetchall()
-    assert {row[1] for row in coverage} == {1, 2, 3, 4}
-    assert any("return" in row[3] for row in top)
+    assert {row[2] for row in coverage} == {1, 2, 3, 4}
+    assert any("return" in row[4] for row in top)
 
 
 def test_reingest_replaces_and_budget_limits_size(db_dsn: str, corpus: Path, gguf: str) -> None:
