@@ -2,12 +2,14 @@
 
 The longest stored suffix is the most specific evidence, but a rare n-gram's tree comes from a handful of
 occurrences, and a store that keeps more n-grams hands more contexts such thin trees instead of the rich tree of a
-shorter suffix. The `expected` rule looks up every stored suffix length in the same round trip and keeps the one
-with the highest estimated chance that its first draft token is right: the weight of its heaviest root child (read
-from a format-2 blob's header without decoding; a format-1 blob is decoded) over the occurrences its tree was built
-from, with one pseudo-occurrence added (`first / (occurrences + PRIOR)`), so three agreeing occurrences (0.75) do
-not beat a thousand of which 90% agree; ties go to the longer suffix. `longest` is the classic rule (the first hit
-of the longest-first probes). The rule is `Store.connect(rule=...)`, else `CREST_SUFFIX_RULE`, else `DEFAULT_RULE`.
+shorter suffix: with the longest rule M falls as top-t grows. The `expected` rule looks up every stored suffix
+length in the same round trip and keeps the one with the highest shrunk estimate that its first draft token is
+right: the weight of its heaviest root child (read from a format-2 blob's header without decoding; a format-1 blob
+is decoded) over the occurrences its tree was built from plus PRIOR pseudo-occurrences that agree with nothing,
+`first / (occurrences + PRIOR)`. A tree built from few occurrences must then agree far more often to beat a tree
+built from many, so a rare n-gram's thin tree no longer shadows a common suffix's; ties go to the longer suffix.
+`longest` is the classic rule (the first hit of the longest-first probes). The rule is `Store.connect(rule=...)`,
+else `CREST_SUFFIX_RULE`, else `DEFAULT_RULE`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from crest_client.errors import CrestClientError
 
 RULES = ("longest", "expected")
 DEFAULT_RULE = "expected"
-PRIOR = 1.0  # pseudo-occurrences added to every tree's count
+PRIOR = 256.0  # pseudo-occurrences added to every tree's count (docs/benchmarks.md: "Which suffix drafts")
 
 
 def resolve_rule(rule: str | None = None) -> str:
