@@ -1,0 +1,349 @@
+"""`crest bench learn`: what learning from served outputs buys, measured by replaying a stream of requests in order.
+
+The prompts are served in order, greedy; request i may draft only from what requests 0..i-1 taught (with
+`refresh_every` K, from the requests before the last multiple of K). Each finished request teaches its store what
+the server records (`crest.serving.learning.served_tokens`: the prompt's last max-n tokens, then the output), and
+the live tier is rebuilt from the last `window` learned tokens with the code `crest.learning.refresh_live` builds a
+live version with (`crest.bench.live_memory`: the same selection, `min_count` filter, `build_trees` and blob
+encoding, on the static version's tokenizer and build options), but kept in memory instead of published: publishing
+one version per request would time the database, not the drafts, and nothing is ever written to the user's stores.
+The live trees are looked up with the static store's suffix rule (`crest_client.choice`), the static tier through
+the SDK. M (new tokens per target forward) is measured by replay on the plain greedy continuations, as `crest bench
+accept` does (trees cut to `max_nodes`), and each row's draft latency is timed; live lookups run in memory here,
+where a server gets both tiers in one round trip. Rows: prompt lookup; the static tier, the live tier and both
+(merged by `StoreDrafter` as served), each alone and merged with prompt lookup (as `crest+prompt`). Storage: the
+stream's learned rows, repeated to 1M tokens, are loaded into a temporary copy of `crest_learned` (gone at the end
+of the session) and measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from crest_client.draft import Draft
+
+from crest.bench.accept import AcceptOptions, Replay, _reference_key, replay
+from crest.bench.live_memory import LiveTrees, learned_window
+from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions
+from crest.drafters.merged import MergedDrafter
+from crest.drafters.prompt import PromptDrafter
+from crest.drafters.protocol import Drafter, NoneDrafter
+from crest.drafters.store import StoreDrafter
+from crest.errors import ConfigError, CorpusError
+from crest.learning.live import DEFAULT_MIN_COUNT, published_version, static_options
+
+ROWS = ("prompt", "static", "live", "static+live", "static+prompt", "live+prompt", "static+live+prompt")
+
+_STORAGE_TOKENS = 1_000_000  # learned tokens loaded to measure the log's bytes per 1M served tokens
+
+
+@dataclass(frozen=True)
+class LearnOptions:
+    """What one `crest bench learn` run measures."""
+
+    store: str
+    prompts: str = "humaneval"
+    chat: bool = False
+    limit: int | None = None
+    max_new_tokens: int = 128
+    max_nodes: int = 64
+    refresh_every: int = 1
+    window: int = DEFAULT_LEARN_WINDOW
+    min_count: int = DEFAULT_MIN_COUNT
+    references: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def validate(self) -> LearnOptions:
+        """Return self, or raise ConfigError naming the first bad value."""
+        for label, value in (
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--max-nodes", self.max_nodes),
+            ("--refresh-every", self.refresh_every),
+            ("--window", self.window),
+            ("--min-count", self.min_count),
+            ("--limit", 1 if self.limit is None else self.limit),
+        ):
+            if value < 1:
+                raise ConfigError(f"{label} must be at least 1, got {value}")
+        return self
+
+
+def learned_rows(i: int, *, refresh_every: int = 1) -> int:
+    """Return how many finished requests the live tier holds while request `i` is served (0: no live tier yet)."""
+    return i - i % refresh_every
+
+
+class _Tiers:
+    """A store handle for `StoreDrafter`: the static tier through the SDK, the live tier (when built) in memory."""
+
+    def __init__(self, static: Any, live: LiveTrees | None) -> None:
+        self.static, self.live = static, live
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int = 64) -> Draft | None:
+        """Return the static tier's draft."""
+        return self.draft_parts(context_ids, max_nodes)[0]
+
+    def draft_parts(self, context_ids: Sequence[int], max_nodes: int = 64) -> list[Draft | None]:
+        """Return [static draft, live draft] for the context."""
+        static = self.static.draft_parts(context_ids, max_nodes=max_nodes)[0] if self.static is not None else None
+        return [static, self.live.draft(context_ids, max_nodes) if self.live is not None else None]
+
+
+def make_row_drafter(name: str, *, static: Any, live: LiveTrees | None) -> Drafter:
+    """Return one row's drafter: its tiers through `StoreDrafter`, merged with prompt lookup when it ends in +prompt."""
+    if name == "prompt":
+        return PromptDrafter()
+    tiers = name.removesuffix("+prompt")
+    if name not in ROWS:
+        raise ConfigError(f"unknown row {name!r}: use one of {', '.join(ROWS)}")
+    base: Drafter = NoneDrafter()  # no live version yet: the live tier drafts nothing
+    if tiers != "live" or live is not None:
+        base = StoreDrafter(_Tiers(static if "static" in tiers else None, live if "live" in tiers else None))
+    return MergedDrafter(base, PromptDrafter()) if name.endswith("+prompt") else base
+
+
+def known_references(path: Path, key: str, count: int) -> list[list[int]] | None:
+    """Return the greedy continuations recorded in `path` under `key` (`crest bench accept`'s format), or None."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    refs = saved.get("references") if isinstance(saved, dict) else None
+    if saved.get("key") != key or not isinstance(refs, list) or len(refs) != count:
+        return None
+    return [[int(t) for t in ref] for ref in refs]
+
+
+def stream(
+    opts: LearnOptions,
+    *,
+    prompt_ids: list[list[int]],
+    references: list[list[int]],
+    static_stores: dict[str, Any],
+    vocab_size: int,
+    options: IngestOptions,
+    max_positions: int,
+    note: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Serve the prompts in order, replay every row on each, and learn each finished request; return the figures."""
+    from crest.serving.learning import served_tokens
+
+    replays: dict[str, list[Replay]] = {name: [] for name in ROWS}
+    per_request: list[dict[str, Any]] = []
+    learned: list[list[int]] = []
+    live: LiveTrees | None = None
+    built_from, builds = 0, []
+    for i, (ids, ref) in enumerate(zip(prompt_ids, references, strict=True)):
+        rows = learned_rows(i, refresh_every=opts.refresh_every)
+        if rows != built_from:  # a refresh after the last K finished requests
+            t0 = time.perf_counter()
+            tokens, offsets = learned_window(learned[:rows], window=opts.window)
+            live = LiveTrees.build(tokens, offsets, vocab_size=vocab_size, options=options, min_count=opts.min_count)
+            builds.append(time.perf_counter() - t0)
+            built_from = rows
+        record: dict[str, Any] = {"request": i, "learned_requests": rows, "live_ngrams": len(live.rows) if live else 0}
+        for name in ROWS:
+            drafter = make_row_drafter(name, static=static_stores.get(name), live=live)
+            r = replay(
+                drafter,
+                ids,
+                ref,
+                max_nodes=opts.max_nodes,
+                max_new_tokens=opts.max_new_tokens,
+                max_positions=max_positions,
+            )
+            replays[name].append(r)
+            record[name] = round(r.new_tokens / max(1, r.steps), 4)
+        per_request.append(record)
+        note(f"request {i + 1}/{len(prompt_ids)}: static+live+prompt M {record['static+live+prompt']:.2f}")
+        learned.append(served_tokens(ids, ref, max_n=options.max_n)[0])
+    final = LiveTrees.build(
+        *learned_window(learned, window=opts.window), vocab_size=vocab_size, options=options, min_count=opts.min_count
+    )
+    return {
+        "rows": [_row(name, done) for name, done in replays.items()],
+        "per_request": per_request,
+        "learned": learned,
+        "live_builds": len(builds),
+        "live_build_ms_mean": round(1e3 * float(np.mean(builds or [0.0])), 2),
+        "final_live": {"ngrams": len(final.rows), "estimated_bytes": final.nbytes},
+    }
+
+
+def _row(name: str, replays: list[Replay]) -> dict[str, Any]:
+    """Return one row of the table: M over the stream and the draft latency (ms) of its steps."""
+    tokens, steps = sum(r.new_tokens for r in replays), sum(r.steps for r in replays)
+    ms = 1e3 * np.asarray([t for r in replays for t in r.draft_seconds] or [0.0])
+    return {
+        "drafter": name,
+        "mean_accepted_length": round(tokens / max(1, steps), 4),
+        "new_tokens": tokens,
+        "steps": steps,
+        "draft_ms_mean": round(float(ms.mean()), 4),
+        "draft_ms_p99": round(float(np.percentile(ms, 99)), 4),
+    }
+
+
+def learned_storage(dsn: str, store: str, rows: Sequence[Sequence[int]], *, prompt_tokens: int) -> dict[str, Any]:
+    """Return the on-disk bytes of `rows` as learned rows per 1M tokens, measured in a temporary `crest_learned`."""
+    import psycopg
+
+    from crest.learning.journal import encode_tokens
+    from crest.serving.learning import server_source
+
+    tokens = sum(len(r) for r in rows)
+    if not tokens:
+        return {"tokens": 0, "rows": 0, "bytes_per_million_tokens": None}
+    repeat = -(-_STORAGE_TOKENS // tokens)  # ceil: enough copies for page rounding not to matter
+    source = server_source()
+    encoded = [(store, encode_tokens(r), len(r), min(prompt_tokens, len(r)), source) for r in rows if len(r)]
+    with psycopg.connect(dsn) as conn:  # never committed: the temporary table is gone with the transaction
+        conn.execute("CREATE TEMP TABLE crest_learned_probe (LIKE crest_learned INCLUDING ALL) ON COMMIT DROP")
+        query = "COPY crest_learned_probe (store, tokens, n_tokens, prompt_tokens, source) FROM STDIN (FORMAT BINARY)"
+        with conn.cursor() as cur, cur.copy(query) as copy:
+            copy.set_types(["text", "bytea", "int4", "int4", "text"])
+            for _ in range(repeat):
+                for row in encoded:
+                    copy.write_row(row)
+        found = conn.execute("SELECT pg_total_relation_size('crest_learned_probe')").fetchone()
+        conn.rollback()
+    total = int(found[0]) if found else 0
+    return {
+        "tokens": tokens,
+        "rows": len(encoded),
+        "bytes_per_million_tokens": round(total * 1e6 / (tokens * repeat)),
+        "bytes_per_token": round(total / (tokens * repeat), 2),
+    }
+
+
+def run_learn(
+    opts: LearnOptions,
+    *,
+    model: str,
+    dsn: str,
+    out: Path,
+    note: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Replay the stream with learning and return its results (also written as learn.json and learn.md in `out`)."""
+    from crest_client import Store
+
+    from crest import db
+    from crest.bench.prompts import load_prompts
+    from crest.bench.results import save_run
+    from crest.config import resolve_model_spec
+    from crest.decoding.generator import SpeculativeGenerator
+    from crest.decoding.models import load_model
+    from crest.errors import FingerprintMismatch, StoreNotFound
+    from crest.ingest.tokenizer import load_tokenizer
+
+    started = time.time()
+    opts.validate()
+    prompts = load_prompts(opts.prompts, limit=opts.limit)
+    if not prompts:
+        raise CorpusError(f"no prompts in {opts.prompts!r}")
+    with db.session(dsn) as conn:
+        static = published_version(conn, opts.store, "static")
+    if static is None:
+        raise StoreNotFound(f"no published store named {opts.store!r}")
+    options = replace(static_options(static["params"]), top_t=DEFAULT_TOP_T, budget=None)  # refresh_live's defaults
+    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    if fingerprint != static["tokenizer_fingerprint"]:
+        raise FingerprintMismatch(f"store {opts.store!r} was built with another tokenizer than model {model!r}")
+    loaded = load_model(model, device=opts.device, dtype=opts.dtype)
+    prompt_ids = [loaded.encode_prompt(p, chat=opts.chat) for p in prompts]
+    base = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=0)
+    key = _reference_key(
+        loaded, prompt_ids, AcceptOptions(max_new_tokens=opts.max_new_tokens, device=opts.device, dtype=opts.dtype)
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    given = Path(opts.references) if opts.references else out / "references.json"
+    references = known_references(given, key, len(prompt_ids))
+    decoded = references is None
+    if references is None:
+        note(f"no matching references in {given}: decoding {len(prompt_ids)} prompts plainly")
+        references, seconds = [], []
+        for i, ids in enumerate(prompt_ids):
+            result = base.generate(ids, drafter=NoneDrafter(), max_new_tokens=opts.max_new_tokens)
+            references.append(result.output_token_ids)
+            seconds.append(result.seconds)
+            note(f"reference {i + 1}/{len(prompt_ids)}: {result.new_tokens} tokens in {result.seconds:.1f} s")
+        body = {"key": key, "references": references, "seconds": seconds}
+        (out / "references.json").write_text(json.dumps(body), encoding="utf-8")
+    handles = {
+        name: Store.connect(dsn, opts.store, tokenizer_fingerprint=fingerprint, timeout=1.0, pool_size=1, live=False)
+        for name in ROWS
+        if name.startswith("static")
+    }
+    try:
+        measured = stream(
+            opts,
+            prompt_ids=prompt_ids,
+            references=references,
+            static_stores=handles,
+            vocab_size=int(static["vocab_size"]),
+            options=options,
+            max_positions=base.max_positions,
+            note=note,
+        )
+    finally:
+        failed = sum(int(handle.stats["errors"]) for handle in handles.values())  # lookups that drafted nothing
+        for handle in handles.values():
+            handle.close()
+    if failed:
+        note(f"{failed} static lookups failed (timed out or the database did not answer): those steps had no draft")
+    storage = learned_storage(dsn, opts.store, measured["learned"], prompt_tokens=options.max_n)
+    storage |= {"live_version_at_end": measured["final_live"]}
+    title = (
+        f"crest bench learn: {opts.prompts} on store {opts.store!r} ({len(prompts)} requests in order, "
+        f"{opts.max_new_tokens} greedy tokens, {opts.max_nodes}-node trees)"
+    )
+    results, _ = save_run(
+        "learn",
+        measured["rows"],
+        started=started,
+        title=title,
+        out=out,
+        model=model,
+        store=opts.store,
+        options=asdict(opts),
+        prompts=len(prompts),
+        method=(
+            f"M by replay of greedy verification on the plain greedy continuations, trees cut to {opts.max_nodes} "
+            f"nodes; request i drafts from a live tier built from requests 0..i - 1 - (i mod {opts.refresh_every}), "
+            "built in memory as refresh_live builds it; live lookups in memory, static ones through the SDK"
+        ),
+        references={"file": str(given if not decoded else out / "references.json"), "decoded": decoded},
+        static_lookup_errors=failed,
+        live_builds=measured["live_builds"],
+        live_build_ms_mean=measured["live_build_ms_mean"],
+        storage=storage,
+        per_request=measured["per_request"],
+    )
+    _append_notes(results, out / "learn.md")
+    return results
+
+
+def _append_notes(results: dict[str, Any], path: Path) -> None:
+    """Add the method and the storage figures under the markdown table."""
+    storage = results["storage"]
+    live = storage["live_version_at_end"]
+    lines = [
+        "",
+        f"Method: {results['method']}.",
+        "",
+        f"- Learned log: {storage['bytes_per_million_tokens'] or 0:,} bytes per 1M served tokens "
+        f"({storage['rows']} rows, {storage['tokens']:,} tokens in this stream; heap, TOAST and index).",
+        f"- Live tier after the stream: {live['ngrams']:,} n-grams, about {live['estimated_bytes']:,} bytes "
+        "(estimated rows, index and key filter; the vocabulary copy of each live version not counted).",
+        f"- Live rebuilds: {results['live_builds']}, {results['live_build_ms_mean']:.1f} ms each on average.",
+        f"- Static lookups that failed (no draft that step): {results['static_lookup_errors']}.",
+    ]
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
