@@ -191,6 +191,25 @@ def test_draft_size_shrinks_to_nothing_when_it_does_not_pay() -> None:
     assert outcome.result.draft_tokens == 0
 
 
+def test_drafters_are_spared_while_drafting_does_not_pay() -> None:
+    dtype = torch.float64
+    prompt = [4, 5, 6, 7] * 5
+
+    class Counting(OracleDrafter):
+        calls = 0
+
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+            Counting.calls += 1
+            return super().draft(context_ids, max_nodes)
+
+    sched = Scheduler(model(dtype), IdTokenizer(), max_batch=2, cost=STEEP)
+    sched._predicted = 10.0  # enough evidence: no exploration probes
+    outcome = drive(sched, [(0, Request(prompt, max_tokens=40, drafter=Counting(prompt, 40, 0, dtype)))])[0]
+    check_exact(prompt, outcome.result.output_token_ids, 40, dtype)
+    assert outcome.result.draft_tokens <= 8  # at most the exploration probes (every 16 idle steps, 4 nodes)
+    assert 0 < Counting.calls <= 12 < outcome.result.forward_passes  # backed off up to MAX_BACKOFF steps at a time
+
+
 def test_cancelled_and_failing_rows_leave_the_others_alone() -> None:
     dtype = torch.float64
 

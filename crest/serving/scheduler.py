@@ -45,6 +45,8 @@ from crest.serving.drafting import (
 
 log = logging.getLogger(__name__)
 
+MAX_BACKOFF = 8  # at most this many steps without drafting after tries at one batch size that did not pay
+
 
 class QueueFull(CrestError):
     """The server's queue of waiting requests is full: retry later."""
@@ -130,6 +132,7 @@ class Scheduler:
         self._closing = False
         self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
         self._idle = 0
+        self._backoff = self._skip = self._skip_rows = 0  # steps to draft nothing after a try that did not pay
         self._ids = itertools.count()
         self._costs: StepCost | None = None  # made on the first drafted step (calibrating the model)
         self._observe_costs = cost is None  # a given cost model is taken as it is (tests pin the sizes with one)
@@ -297,6 +300,11 @@ class Scheduler:
         room = [self._room(row.state) for row in rows]
         if self.budget <= 0:
             return [empty_draft() for _ in rows], 0.0
+        if self.adaptive and self._skip > 0 and len(rows) == self._skip_rows:
+            # drafting did not pay on the last tries at this batch size: spare the drafters' own time too
+            self._skip -= 1
+            self._idle += 1
+            return [empty_draft() for _ in rows], 0.0
         leases = [(lease, row.state.context) for row in rows for lease in row.request.leases]
         if leases:
             prefetch([lease for lease, _ in leases], [ctx for _, ctx in leases], max_nodes=self.budget)
@@ -308,6 +316,8 @@ class Scheduler:
             self._costs = StepCost(self.gen.cost())
         sizes = batch_draft_sizes(drafts, self._costs or self.gen.cost(), acceptance_scale=scale)
         self._idle = 0 if any(sizes) else self._idle + 1
+        self._backoff = 0 if any(sizes) else min(MAX_BACKOFF, max(1, 2 * self._backoff))
+        self._skip, self._skip_rows = self._backoff, len(rows)
         if not any(sizes) and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(rows)):
             # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
             # often as the batch grows, since every row then pads to the probe's width)
