@@ -6,7 +6,6 @@ request runs in milliseconds and greedy outputs can be checked against `model.ge
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import threading
@@ -27,6 +26,7 @@ from crest.serving.app import StopText, create_app
 from crest.serving.engine import Engine
 from crest.serving.scheduler import Scheduler
 from tests.fix_models import tiny_model
+from tests.fix_proxy import Proxy
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -370,60 +370,6 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path, signame: str, code: i
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-class Proxy:
-    """A TCP front for the test Postgres's unix socket that can be switched off (refusing) and on again."""
-
-    def __init__(self, socket_path: str) -> None:
-        self.target = socket_path
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.listener: socket.socket | None = None
-        self.open: list[socket.socket] = []
-
-    def up(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(16)
-        self.listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def down(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-        for conn in self.open:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-        self.open = []
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.socket(socket.AF_UNIX)
-            upstream.connect(self.target)
-            self.open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
 
 
 def test_database_down_at_start_then_back_then_down(
