@@ -291,18 +291,25 @@ def build_store(
             seconds=seconds,
             top_t=top_t,
         )
-        if summary.rows == 0 and not allow_empty:
-            raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
-        build.publish(summary.to_figures())
-        seconds["index_publish"] = time.perf_counter() - t0
-        summary.peak_rss_bytes = _peak_rss()
-        build.set_figures(summary.to_figures())
+        publish_summary(build, summary, seconds=seconds, started=t0, allow_empty=allow_empty)
     except BaseException:
         build.fail()
         raise
     finally:
         build.close()
     return summary
+
+
+def publish_summary(
+    build: db.Build, summary: IngestSummary, *, seconds: dict[str, float], started: float, allow_empty: bool = False
+) -> None:
+    """Publish the build with the summary's figures (refusing an empty store), then record time and peak memory."""
+    if summary.rows == 0 and not allow_empty:
+        raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
+    build.publish(summary.to_figures())
+    seconds["index_publish"] = time.perf_counter() - started
+    summary.peak_rss_bytes = _peak_rss()
+    build.set_figures(summary.to_figures())
 
 
 class _Loader:

@@ -38,6 +38,7 @@ from crest.ingest.pipeline import (
     Reporter,
     SilentReporter,
     Vocabulary,
+    publish_summary,
 )
 from crest.ingest.spark_corpus import (
     corpus_report,
@@ -245,12 +246,7 @@ class _Job:
             t0 = time.perf_counter()
             build.finish_tables()
             summary = self._summary(build, report, bases, counted, positions, loader, top_t)
-            if summary.rows == 0:
-                raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
-            build.publish(summary.to_figures())
-            self.seconds["index_publish"] = time.perf_counter() - t0
-            summary.peak_rss_bytes = peak_rss()
-            build.set_figures(summary.to_figures())
+            publish_summary(build, summary, seconds=self.seconds, started=t0)
         except BaseException:
             build.fail()
             raise
