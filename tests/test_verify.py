@@ -702,8 +702,8 @@ def stdlib_store(db_dsn: str, smollm2_gguf: Path, tmp_path: Path) -> str:
 def test_greedy_with_a_real_store_and_the_adaptive_size_equals_generate_on_smollm2(
     smollm2: Any, stdlib_store: str
 ) -> None:
-    """crest and crest+prompt over a real ingested store, sized per step (calibrated), against model.generate."""
-    from crest.decoding.sizing import calibrate
+    """crest and crest+prompt over a real ingested store, sized per step, against model.generate."""
+    from crest.decoding.sizing import CostModel
     from crest.drafters.registry import open_drafter
     from crest.ingest.tokenizer import load_tokenizer
 
@@ -713,7 +713,9 @@ def test_greedy_with_a_real_store_and_the_adaptive_size_equals_generate_on_smoll
     for prompt, chat in STORE_PROMPTS:
         ids = smollm2.encode_prompt(prompt, chat=chat)
         wants.append((ids, generate_plain(model, tok, ids, max_new_tokens=32).output_token_ids))
-    cost = calibrate(model, sizes=(1, 4, 16, 64), repeats=1)  # measured as for `crest generate`, in fewer forwards
+    # The curve measured on a quiet 2-core CPU (docs/benchmarks.md), pinned: a calibration taken on a loaded
+    # machine can make every draft look too dear, and whether drafting pays is what this test checks.
+    cost = CostModel(sizes=(1, 4, 16, 64), seconds=(0.065, 0.080, 0.125, 0.240))
     for name in ("crest", "crest+prompt"):
         drafter = open_drafter(name, store="stdlib", dsn=stdlib_store, fingerprint=fingerprint)
         gen = SpeculativeGenerator(model, tok, cost=cost)  # max_draft_tokens=None: the adaptive size
