@@ -7,7 +7,8 @@
 -- --reader-password-env VAR --writer-password-env VAR`). The writer owns crest's tables and function (attaching
 -- and dropping partitions needs ownership) and may create tables in schema public; the reader may SELECT crest's
 -- tables, including those the writer creates later (store versions' partitions, crest_store_data), INSERT into
--- crest_learned's data columns (the log of served tokens a server appends to), and nothing else. Names are quoted with format('%I') and quote_ident.
+-- crest_learned's data columns (the log of served tokens and their requests' figures a server appends to), and
+-- nothing else. Names are quoted with format('%I') and quote_ident.
 \set ON_ERROR_STOP on
 SELECT set_config('crest.reader', :'reader', false), set_config('crest.writer', :'writer', false);
 
@@ -41,8 +42,9 @@ BEGIN
     EXECUTE format('GRANT SELECT ON TABLE public.%I TO %I', item.relname, reader);
   END LOOP;
   IF to_regclass('public.crest_learned') IS NOT NULL THEN
-    EXECUTE format('GRANT INSERT (store, tokens, n_tokens, prompt_tokens, source) ON TABLE public.crest_learned TO %I',
-                   reader);  -- not id nor created_at: the log's order and times are the server's
+    EXECUTE format('GRANT INSERT (store, tokens, n_tokens, prompt_tokens, source, steps, new_tokens, draft_tokens,'
+                   ' accepted_tokens, accepted_static, accepted_live, accepted_prompt) ON TABLE public.crest_learned'
+                   ' TO %I', reader);  -- not id nor created_at: the log's order and times are the server's
   END IF;
   FOR item IN
     SELECT p.oid::regprocedure AS signature FROM pg_proc p JOIN pg_namespace ns ON ns.oid = p.pronamespace

@@ -2,6 +2,8 @@
 what was queued, the queue is bounded (oldest dropped), a database that is down or hangs never stalls `learn()`
 nor raises and costs only counted drops, writing resumes when it is back, and concurrent appends from threads
 and processes lose nothing, the reader role may learn; what is queued when the interpreter exits is written.
+A sequence's figures (`stats`) go into their columns, 0 where not given; a batch without any writes only the
+columns of schema 0003, so a database not upgraded yet still takes it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,22 @@ import numpy as np
 import psycopg
 import pytest
 from crest_client.errors import InvalidName
-from crest_client.learner import Learner
+from crest_client.learner import STATS, Learner
 from psycopg import sql
 
 from tests.fix_proxy import Proxy, Silent
+
+
+def figures(dsn: str, store: str = "code") -> list[dict[str, int]]:
+    """Return the store's learned rows' figures in id order, by `STATS` name."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT {} FROM crest_learned WHERE store = %s ORDER BY id").format(
+                sql.SQL(", ").join(map(sql.Identifier, STATS))
+            ),
+            (store,),
+        ).fetchall()
+    return [dict(zip(STATS, row, strict=True)) for row in rows]
 
 
 def learned(dsn: str, store: str = "code") -> list[tuple[list[int], int, int, str]]:
@@ -53,6 +67,46 @@ def test_rows_are_written_on_flush(learner: Learner, db_dsn: str) -> None:
         "queued": 0, "queued_tokens": 0, "written_rows": 2, "written_tokens": 5,
         "dropped_rows": 0, "dropped_tokens": 0, "errors": 0,
     }  # fmt: skip
+
+
+FULL = {"steps": 4, "new_tokens": 9, "draft_tokens": 20, "accepted_tokens": 5, "accepted_static": 2,
+        "accepted_live": 5, "accepted_prompt": 1}  # fmt: skip
+
+
+def test_figures_are_written_with_their_rows(learner: Learner, db_dsn: str) -> None:
+    learner.learn([1, 2, 3], stats=FULL)
+    learner.learn([4, 5])  # none: every figure 0
+    learner.learn([6], stats={"steps": 1, "new_tokens": 1})  # the others 0
+    assert learner.flush(timeout=10)
+    zero = dict.fromkeys(STATS, 0)
+    assert figures(db_dsn) == [FULL, zero, zero | {"steps": 1, "new_tokens": 1}]
+
+
+@pytest.mark.parametrize(
+    "stats",
+    [{"steps": 1, "accepted_other": 2}, {"steps": -1}, {"steps": 2**31}, {"steps": "many"}],
+    ids=["unknown-name", "negative", "over-31-bits", "not-a-number"],
+)
+def test_bad_figures_are_dropped_never_raised(learner: Learner, db_dsn: str, stats: Any) -> None:
+    learner.learn([1, 2], stats=stats)
+    learner.learn([4, 5], stats={"steps": 1})
+    assert learner.flush(timeout=10)
+    assert (learner.stats["dropped_rows"], learner.stats["errors"]) == (1, 0)
+    assert [row[0] for row in learned(db_dsn)] == [[4, 5]]
+
+
+def test_a_database_before_figures_takes_rows_without_them(empty_db: str) -> None:
+    from crest.db import upgrade
+
+    upgrade(empty_db, revision="0003")
+    with Learner(empty_db, "code", flush_interval=60, flush_tokens=1000) as found:
+        found.learn([1, 2, 3])
+        assert found.flush(timeout=10)
+        found.learn([4, 5], stats={"steps": 1})  # the columns are not there: this batch is dropped
+        assert found.flush(timeout=10)
+        stats = found.stats
+    assert (stats["written_rows"], stats["dropped_rows"], stats["errors"]) == (1, 1, 1)
+    assert learned(empty_db) == [([1, 2, 3], 3, 0, "sdk")]
 
 
 @pytest.mark.parametrize(
@@ -207,9 +261,11 @@ def test_the_reader_role_may_learn(db_dsn: str) -> None:
     try:
         with Learner(psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()}), "code") as found:
             found.learn([1, 2, 3], prompt_tokens=2)
+            found.learn([4, 5], stats={"steps": 1, "accepted_live": 1})
             assert found.flush(timeout=10)
-            assert found.stats["written_rows"] == 1 and found.stats["errors"] == 0
-        assert learned(db_dsn) == [([1, 2, 3], 3, 2, "sdk")]
+            assert found.stats["written_rows"] == 2 and found.stats["errors"] == 0
+        assert learned(db_dsn) == [([1, 2, 3], 3, 2, "sdk"), ([4, 5], 2, 0, "sdk")]
+        assert [(f["steps"], f["accepted_live"]) for f in figures(db_dsn)] == [(0, 0), (1, 1)]
     finally:
         with psycopg.connect(db_dsn, autocommit=True) as conn:  # roles are cluster-wide: remove them
             for role in (reader, writer):

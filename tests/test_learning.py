@@ -93,7 +93,7 @@ def test_migration_keeps_existing_versions_static(empty_db: str) -> None:
             "INSERT INTO crest_stores (name, state, tokenizer_fingerprint, vocab_size, token_width)"
             " VALUES ('old', 'published', 'f', 9, 1)"
         )
-    assert db.upgrade(empty_db) == "0003"
+    assert db.upgrade(empty_db, revision="0003") == "0003"
     with psycopg.connect(empty_db) as conn:
         assert conn.execute("SELECT tier FROM crest_stores WHERE name = 'old'").fetchone() == ("static",)
         conn.execute(

@@ -1,4 +1,8 @@
-"""Least privilege on a real PostgreSQL: the writer ingests, the reader drafts and is refused everything else."""
+"""Least privilege on a real PostgreSQL: the writer ingests, the reader drafts and is refused everything else.
+
+The reader may INSERT crest_learned's data columns, the learned row's figures included, and no other column;
+migration 0004 adds those figures, hands them to the roles that could append rows before, and goes back down.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 import psycopg
@@ -16,7 +21,9 @@ from typer.testing import CliRunner
 
 from crest.cli.app import app
 from crest.config import IngestOptions
-from crest.db.roles import create_roles
+from crest.db import upgrade
+from crest.db.roles import LEARNED_INSERT_COLUMNS, create_roles
+from crest.db.schema import learned
 from crest.errors import ConfigError
 from crest.ingest.pipeline import ingest
 from crest.ingest.tokenizer import load_tokenizer
@@ -166,3 +173,99 @@ def test_roles_sql_file_with_psql(roles: Roles, corpus: Path, word_tokenizer_dir
 def test_bad_role_names_are_refused(db_dsn: str, reader: str, writer: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         create_roles(db_dsn, reader=reader, writer=writer)
+
+
+def _column_rights(dsn: str, role: str) -> dict[str, set[str]]:
+    """Return the crest_learned columns `role` may INSERT and UPDATE."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT attname, has_column_privilege(%s, attrelid, attname, 'INSERT'),"
+            " has_column_privilege(%s, attrelid, attname, 'UPDATE')"
+            " FROM pg_attribute WHERE attrelid = 'crest_learned'::regclass AND attnum > 0 AND NOT attisdropped",
+            (role, role),
+        ).fetchall()
+    return {"INSERT": {n for n, i, _ in rows if i}, "UPDATE": {n for n, _, u in rows if u}}
+
+
+@pytest.mark.parametrize("how", ["create_roles", "roles.sql"])
+def test_the_reader_may_insert_learned_rows_with_figures_and_nothing_more(roles: Roles, how: str) -> None:
+    if how == "roles.sql":
+        if shutil.which("psql") is None:
+            pytest.skip("psql is not installed")
+        command = ["psql", roles.admin, "-q", "-v", f"reader={roles.reader}", "-v", f"writer={roles.writer}"]
+        done = subprocess.run([*command, "-f", str(SQL / "roles.sql")], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        with psycopg.connect(roles.admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(roles.reader), roles.password))
+    else:
+        create_roles(roles.admin, reader=roles.reader, writer=roles.writer, reader_password=roles.password)
+    assert "accepted_live" in LEARNED_INSERT_COLUMNS
+    assert _column_rights(roles.admin, roles.reader) == {"INSERT": set(LEARNED_INSERT_COLUMNS), "UPDATE": set()}
+    with psycopg.connect(roles.reader_dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO crest_learned (store, tokens, n_tokens, steps, new_tokens, accepted_live)"
+            " VALUES ('s', '\\x01000000', 1, 2, 3, 1)"
+        )
+    _refused(roles.reader_dsn, "UPDATE crest_learned SET accepted_live = 9")
+    _refused(
+        roles.reader_dsn, "INSERT INTO crest_learned (store, tokens, n_tokens, created_at) VALUES ('s', '', 0, now())"
+    )
+    with psycopg.connect(roles.admin) as conn:
+        assert conn.execute(
+            "SELECT steps, new_tokens, accepted_live, accepted_static FROM crest_learned"
+        ).fetchall() == [(2, 3, 1, 0)]
+
+
+def _downgrade(dsn: str, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    from crest.db.versions import MIGRATIONS, connect
+
+    engine = create_engine("postgresql+psycopg://", creator=lambda: connect(dsn), poolclass=NullPool)
+    config = Config()
+    config.set_main_option("script_location", str(resources.files(MIGRATIONS)))
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, revision)
+    finally:
+        engine.dispose()
+
+
+def _learned_columns(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'crest_learned'::regclass AND attnum > 0"
+            " AND NOT attisdropped ORDER BY attnum"
+        ).fetchall()
+    return [str(name) for (name,) in rows]
+
+
+def test_migration_0004_adds_the_figures_hands_them_to_appenders_and_goes_back(roles: Roles) -> None:
+    _downgrade(roles.admin, "0003")  # from head
+    old_columns = ["id", "store", "tokens", "n_tokens", "prompt_tokens", "source", "created_at"]
+    assert _learned_columns(roles.admin) == old_columns
+    with psycopg.connect(roles.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(roles.reader)))
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(roles.writer)))
+        conn.execute(
+            sql.SQL("GRANT INSERT (store, tokens, n_tokens, prompt_tokens, source) ON crest_learned TO {}").format(
+                sql.Identifier(roles.reader)
+            )
+        )  # what 0003's `crest db roles` granted
+        conn.execute(sql.SQL("GRANT SELECT ON crest_learned TO {}").format(sql.Identifier(roles.writer)))
+        conn.execute("INSERT INTO crest_learned (store, tokens, n_tokens) VALUES ('s', '\\x01000000', 1)")
+    assert upgrade(roles.admin) == "0004"
+    assert _learned_columns(roles.admin) == [c.name for c in learned.columns]  # the schema module mirrors it
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS)
+    assert _column_rights(roles.admin, roles.writer)["INSERT"] == set()  # no append right before: none now
+    with psycopg.connect(roles.admin) as conn:
+        assert conn.execute("SELECT steps, accepted_live FROM crest_learned").fetchall() == [(0, 0)]
+    _downgrade(roles.admin, "0003")
+    assert _learned_columns(roles.admin) == old_columns
+    with psycopg.connect(roles.admin) as conn:
+        assert conn.execute("SELECT n_tokens FROM crest_learned").fetchall() == [(1,)]  # the rows stay
+    assert upgrade(roles.admin) == "0004"  # and up again

@@ -4,7 +4,8 @@ A finished request writes its prompt's last max-n tokens and its output to its s
 server or the request says not to; a second server on the same database drafts the first one's outputs after
 a refresh (the users ask twice: a live tier keeps the n-grams seen at least twice); a new server after a
 restart reads the live tier; greedy output is the same with learning on and
-off; refresh failures are counted and said once; the metrics count what was learned and refreshed.
+off; refresh failures are counted and said once; the metrics count what was learned and refreshed. Each
+learned row carries its request's figures, and the accepted tokens each draft part held are counted per step.
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ import numpy as np
 import psycopg
 import pytest
 import torch
+from crest_client.draft import Draft
+from crest_client.learner import STATS
 from fastapi.testclient import TestClient
 
 from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
 from crest.decoding.sizing import CostModel
+from crest.drafters.merged import MergedDrafter
+from crest.drafters.prompt import PromptDrafter
+from crest.drafters.store import StoreDrafter
 from crest.ingest.pipeline import ingest
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
-from crest.serving.learning import LearnOptions, Refresher, served_tokens
+from crest.serving.learning import LearnOptions, Refresher, path_length, request_stats, served_tokens
 from crest.serving.metrics import ServerMetrics
-from crest.serving.scheduler import Scheduler
+from crest.serving.scheduler import Request, Scheduler
 from tests.fix_models import tiny_model
 
 pytest_plugins = ["tests.fix_corpus"]
@@ -298,3 +304,94 @@ def test_serve_refuses_bad_learning_options_before_loading_a_model(
     code, err = _crest(monkeypatch, capsys, "serve", "--drafter", "prompt", *option)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code != 0 and len(lines) == 1 and option[0] in lines[0] and "Traceback" not in err
+
+
+def chain(tokens: list[int], *, branch: int | None = None) -> Draft:
+    """Return a chain of `tokens` (and a root child `branch` beside it) as a draft tree."""
+    ids = [*tokens, *([] if branch is None else [branch])]
+    parents = [*range(-1, len(tokens) - 1), *([] if branch is None else [-1])]
+    return Draft(np.array(ids, dtype=np.int64), np.array(parents, dtype=np.int32), np.ones(len(ids), dtype=np.int64))
+
+
+class Tiers:
+    """A store with a live tier whose trees follow a known continuation: static holds 2 of its next tokens and a
+    wrong branch, live 3 and then a wrong token."""
+
+    live = True
+
+    def __init__(self, prompt: list[int], want: list[int], vocab: int) -> None:
+        self.start, self.want, self.vocab = len(prompt), want, vocab
+
+    def draft_parts(self, context: list[int], max_nodes: int = 64) -> list[Draft | None]:
+        """Return [static, live] trees for the context (a prefix of prompt + want)."""
+        at = len(context) - self.start
+        nxt = self.want[at : at + 4] + [0] * 4  # the continuation, padded past its end
+        wrong = [(t + 1) % self.vocab for t in nxt]
+        return [chain(nxt[:2], branch=wrong[0]), chain([*nxt[:3], wrong[3]])]
+
+
+class NextToken(PromptDrafter):
+    """A prompt part that drafts the continuation's next token only."""
+
+    def __init__(self, tiers: Tiers) -> None:
+        super().__init__()
+        self.tiers = tiers
+
+    def draft(self, context_ids: Any, max_nodes: int) -> Draft | None:
+        """Return a one-node tree: the next token."""
+        return chain(self.tiers.want[len(context_ids) - self.tiers.start :][:1])
+
+
+def test_accepted_tokens_are_counted_per_part(tiny: Any, smollm2_tokenizer: Any) -> None:
+    prompt = smollm2_tokenizer.hf.encode(PROMPT, add_special_tokens=False)
+    want = reference(tiny, prompt, 16)
+    assert len(want) == 16
+    tiers = Tiers(prompt, want, len(smollm2_tokenizer.hf))
+    sched = Scheduler(tiny, smollm2_tokenizer.hf, max_draft_tokens=64)
+    job = Request(prompt, max_tokens=16, drafter=MergedDrafter(StoreDrafter(tiers), NextToken(tiers)))
+    future = sched.submit(job)
+    while sched.step():
+        pass
+    outcome = future.result(timeout=0)
+    assert outcome.result.output_token_ids == want
+    # each step: 3 accepted (live's chain) and the target's next one; 4 steps for 16 tokens. Static held 2 of each
+    # step's 3, the prompt part 1. Drafted: the merged 5 nodes a step, 4 in the last (its room is 3 deep).
+    assert outcome.accepted_parts == {"static": 8, "live": 12, "prompt": 4}
+    assert request_stats(outcome) == {
+        "steps": 4, "new_tokens": 16, "draft_tokens": 19, "accepted_tokens": 12,
+        "accepted_static": 8, "accepted_live": 12, "accepted_prompt": 4,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tokens", "want"), [([5, 6, 7], 2), ([5, 9], 1), ([8], 1), ([6], 0), ([], 0)],
+    ids=["chain-then-miss", "first-only", "branch", "not-at-root", "nothing"],
+)  # fmt: skip
+def test_path_length_counts_the_leading_tokens_a_tree_holds(tokens: list[int], want: int) -> None:
+    assert path_length(chain([5, 6], branch=8), tokens) == want
+
+
+def test_learned_rows_carry_their_requests_figures(tiny: Any, smollm2_tokenizer: Any, code_dsn: str) -> None:
+    prompt = smollm2_tokenizer.hf.encode(PROMPT, add_special_tokens=False)
+    found = engine(tiny, smollm2_tokenizer, code_dsn, QUIET, drafter="crest+prompt")
+    try:
+        outcomes = [complete(found, prompt, max_tokens=24) for _ in range(2)]  # twice: the live tier keeps them
+        learner = found.learner("code")
+        assert learner is not None and learner.flush(timeout=30)
+        assert found.refresher is not None and found.refresher.refresh_once() == {"code": "published"}
+        assert live_next(found, prompt, wait=10)  # the store follows the new live version
+        outcomes.append(complete(found, prompt, max_tokens=24))
+        assert learner.flush(timeout=30)
+    finally:
+        found.stop()
+    with psycopg.connect(code_dsn) as conn:
+        rows = conn.execute(f"SELECT {', '.join(STATS)} FROM crest_learned WHERE store = 'code' ORDER BY id").fetchall()
+    figures = [dict(zip(STATS, row, strict=True)) for row in rows]
+    assert figures == [request_stats(o) for o in outcomes]
+    first, last = figures[0], figures[-1]
+    assert first["steps"] == outcomes[0].result.forward_passes > 0 and first["new_tokens"] == 24
+    assert first["accepted_live"] == 0  # no live tier yet
+    assert last["accepted_live"] > 0 and last["accepted_tokens"] > first["accepted_tokens"]  # drafted what it learned
+    for row in figures:  # every accepted token was held by some part, and no part held more than was accepted
+        parts = [row["accepted_static"], row["accepted_live"], row["accepted_prompt"]]
+        assert max(parts) <= row["accepted_tokens"] <= sum(parts)

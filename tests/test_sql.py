@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
+from crest.learning import append_learned
 from tests.test_store import ROWS, publish
 
 SQL = Path(__file__).resolve().parent.parent / "sql"
@@ -24,7 +26,15 @@ def test_every_sql_file_is_tested() -> None:
 
 
 # roles.sql: test_roles.py; learned.sql: test_learning.py
-FILES = ["coverage.sql", "tree_sizes.sql", "top_ngrams.sql", "disk_use.sql", "roles.sql", "learned.sql"]
+FILES = [
+    "coverage.sql",
+    "tree_sizes.sql",
+    "top_ngrams.sql",
+    "disk_use.sql",
+    "roles.sql",
+    "learned.sql",
+    "live_acceptance.sql",
+]
 
 
 @pytest.fixture()
@@ -66,3 +76,34 @@ def test_disk_use(demo: str) -> None:
     assert row["client_data_bytes"] > 0  # the demo store has a token table and key filter
     total = row["table_bytes"] + row["index_bytes"] + row["client_data_bytes"]
     assert float(row["bytes_per_ngram"]) == pytest.approx(total / len(ROWS), abs=0.1)
+
+
+SERVED = [  # (store, day, figures): two requests on day 1, one on day 2, and a row without figures
+    ("code", 1, {"steps": 10, "new_tokens": 25, "draft_tokens": 40, "accepted_tokens": 15, "accepted_static": 6,
+                 "accepted_live": 12, "accepted_prompt": 3}),
+    ("code", 1, {"steps": 5, "new_tokens": 5, "draft_tokens": 8}),
+    ("code", 2, {"steps": 5, "new_tokens": 10, "draft_tokens": 12, "accepted_tokens": 5, "accepted_live": 5}),
+    ("code", 2, None),
+    ("chat", 2, {"steps": 4, "new_tokens": 8, "draft_tokens": 9, "accepted_tokens": 4, "accepted_prompt": 4}),
+]  # fmt: skip
+
+
+def test_live_acceptance_counts_what_each_part_held(db_dsn: str) -> None:
+    for store, day, figures in SERVED:
+        append_learned(db_dsn, store, [[1, 2, 3]], stats=None if figures is None else [figures])
+        with psycopg.connect(db_dsn, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE crest_learned SET created_at = %s WHERE id = (SELECT max(id) FROM crest_learned)",
+                (datetime(2026, 11, day, 12, tzinfo=timezone.utc),),  # noon: the same day in any time zone
+            )
+    rows = {(r["store"], r["period"] and r["period"].day): r for r in _run(db_dsn, "live_acceptance.sql")}
+    assert list(rows) == [("chat", None), ("chat", 2), ("code", None), ("code", 1), ("code", 2)]  # totals first
+    code = rows[("code", None)]
+    assert (code["requests"], code["new_tokens"], code["steps"], code["accepted_tokens"]) == (3, 40, 20, 20)
+    assert (code["accepted_static"], code["accepted_live"], code["accepted_prompt"]) == (6, 17, 3)
+    assert float(code["m"]) == 2.0 and float(code["accepted_per_step"]) == 1.0
+    assert float(code["live_per_step"]) == pytest.approx(0.85) and float(code["live_share"]) == pytest.approx(0.425)
+    assert float(code["static_share"]) == pytest.approx(0.15) and float(code["accepted_of_drafted"]) == 0.333
+    day1 = rows[("code", 1)]
+    assert (day1["requests"], day1["steps"], float(day1["m"]), float(day1["live_per_step"])) == (2, 15, 2.0, 0.8)
+    assert float(rows[("chat", 2)]["prompt_share"]) == 0.5 and float(rows[("chat", 2)]["live_share"]) == 0.0

@@ -8,7 +8,9 @@ bytes) on its own connection, opened lazily and reopened after a failure. The qu
 outputs, so the newest are the ones worth keeping). A database that is down, slow or refusing makes the thread
 drop the batch it was writing, count it and warn once per outage; the caller never waits for it. `flush()`
 waits until everything queued so far is written or dropped; `close()` flushes and stops the thread (learners
-still open when the interpreter exits are closed then, waiting at most `EXIT_TIMEOUT` seconds each).
+still open when the interpreter exits are closed then, waiting at most `EXIT_TIMEOUT` seconds each). A
+sequence may carry how its request went (`stats`, the integer columns named in `STATS`); a batch without any
+writes the columns of schema 0003 only, so a database not yet upgraded still takes it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +32,25 @@ from crest_client.names import check_store_name, resolve_dsn
 
 log = logging.getLogger(__name__)
 
+STATS = (
+    "steps",  # target forwards
+    "new_tokens",  # tokens generated
+    "draft_tokens",  # draft nodes verified
+    "accepted_tokens",  # draft nodes accepted
+    "accepted_static",  # accepted tokens the static tier's tree held along the accepted path
+    "accepted_live",  # the same, of the live tier's tree
+    "accepted_prompt",  # the same, of the prompt lookup's tree
+)  # a learned row's figures of the request that served it (0 when not given)
+
 INSERT_SQL = (
     "INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source)"
     " SELECT %s, t, n, p, %s FROM unnest(%s::bytea[], %s::integer[], %s::integer[]) AS u(t, n, p)"
+)
+
+INSERT_STATS_SQL = (
+    f"INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source, {', '.join(STATS)})"
+    f" SELECT %s, t, n, p, %s, {', '.join(STATS)} FROM unnest(%s::bytea[], %s::integer[], %s::integer[],"
+    f" {', '.join(['%s::integer[]'] * len(STATS))}) AS u(t, n, p, {', '.join(STATS)})"
 )
 
 EXIT_TIMEOUT = 5.0  # seconds an open learner may take to write its queue when the interpreter exits
@@ -44,12 +62,13 @@ _OPEN: weakref.WeakSet[Learner] = weakref.WeakSet()
 
 @dataclass
 class _Item:
-    """One queued sequence: its place in the queue's order, token bytes and counts."""
+    """One queued sequence: its place in the queue's order, token bytes, counts and figures (`STATS` order)."""
 
     seq: int
     tokens: bytes
     n_tokens: int
     prompt_tokens: int
+    stats: tuple[int, ...] | None = None
 
 
 class Learner:
@@ -104,8 +123,18 @@ class Learner:
         with self._cond:
             return {"queued": len(self._queue), "queued_tokens": self._queued_tokens, **self._stats}
 
-    def learn(self, token_ids: Sequence[int] | np.ndarray[Any, Any], *, prompt_tokens: int = 0) -> None:
-        """Queue one served sequence (its first `prompt_tokens` ids are context); never block, never raise."""
+    def learn(
+        self,
+        token_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        prompt_tokens: int = 0,
+        stats: Mapping[str, int] | None = None,
+    ) -> None:
+        """Queue one served sequence (its first `prompt_tokens` ids are context); never block, never raise.
+
+        `stats` holds the request's figures by `STATS` name (others are 0); a sequence with unknown names or
+        values that are not integers in 0..2**31-1 is dropped and counted, as bad ids are.
+        """
         try:
             ids = np.asarray(token_ids)
             if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or int(ids.min()) < 0)):
@@ -113,6 +142,7 @@ class Learner:
             if ids.size and int(ids.max()) > 0xFFFFFFFF:
                 raise ValueError("token ids must fit in 32 bits")
             data = ids.astype("<u4").tobytes()
+            figures = _figures(stats)
         except Exception as exc:  # a caller's bad input is dropped and counted, never raised into serving
             n = len(token_ids) if hasattr(token_ids, "__len__") else 0
             log.debug("learner %s: dropped a sequence: %s", self.store, exc)
@@ -121,7 +151,7 @@ class Learner:
         n = int(ids.size)
         if n == 0:
             return
-        item = _Item(0, data, n, min(max(0, int(prompt_tokens)), n))
+        item = _Item(0, data, n, min(max(0, int(prompt_tokens)), n), figures)
         dropped_rows = dropped_tokens = 0
         with self._cond:
             if self._closing or n > self.max_pending_tokens:
@@ -194,18 +224,15 @@ class Learner:
 
     def _write(self, batch: list[_Item]) -> None:
         rows, tokens = len(batch), sum(item.n_tokens for item in batch)
+        columns = [[item.tokens for item in batch], [item.n_tokens for item in batch]]
+        columns.append([item.prompt_tokens for item in batch])
+        figures = [item.stats or (0,) * len(STATS) for item in batch]
+        with_stats = any(item.stats is not None for item in batch)
+        if with_stats:
+            columns.extend(list(column) for column in zip(*figures, strict=True))
         try:
             conn = self._connection()
-            conn.execute(
-                INSERT_SQL,
-                (
-                    self.store,
-                    self.source,
-                    [item.tokens for item in batch],
-                    [item.n_tokens for item in batch],
-                    [item.prompt_tokens for item in batch],
-                ),
-            )
+            conn.execute(INSERT_STATS_SQL if with_stats else INSERT_SQL, (self.store, self.source, *columns))
         except Exception as exc:  # down, slow, restarting or refusing: this batch is lost, serving goes on
             self._disconnect()
             with self._cond:
@@ -255,6 +282,19 @@ class Learner:
                 conn.close()
             except Exception as exc:
                 log.debug("learner %s: closing its connection: %s", self.store, exc)
+
+
+def _figures(stats: Mapping[str, int] | None) -> tuple[int, ...] | None:
+    """Return a sequence's figures in `STATS` order (missing ones 0), or None without any; raise ValueError."""
+    if stats is None:
+        return None
+    unknown = set(stats) - set(STATS)
+    if unknown:
+        raise ValueError(f"unknown learned figures {sorted(unknown)}; known: {', '.join(STATS)}")
+    values = tuple(int(stats.get(name, 0)) for name in STATS)
+    if any(not 0 <= v <= 0x7FFFFFFF for v in values):
+        raise ValueError("learned figures must be integers in 0..2**31-1")
+    return values
 
 
 @atexit.register

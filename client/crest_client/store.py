@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -353,11 +353,18 @@ class Store:
                 while len(cache) > self._cache_size:
                     cache.popitem(last=False)
 
-    def learn(self, token_ids: Sequence[int] | np.ndarray, *, prompt_tokens: int = 0) -> None:
+    def learn(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        prompt_tokens: int = 0,
+        stats: Mapping[str, int] | None = None,
+    ) -> None:
         """Queue served tokens for the store's learned log (written in the background; never blocks or raises).
 
-        The first `prompt_tokens` ids are context (the prompt's tail), the rest the served output. Rows go to
-        `write_dsn` (the primary), else CREST_DATABASE_URL, else the embedded default, through a `Learner`.
+        The first `prompt_tokens` ids are context (the prompt's tail), the rest the served output; `stats` the
+        request's figures (`crest_client.learner.STATS`). Rows go to `write_dsn` (the primary), else
+        CREST_DATABASE_URL, else the embedded default, through a `Learner`.
         """
         learner = self._learner
         if learner is None:
@@ -367,7 +374,7 @@ class Store:
                 if self._learner is None:
                     self._learner = Learner(self._write_dsn, self.name, source="sdk")
                 learner = self._learner
-        learner.learn(token_ids, prompt_tokens=prompt_tokens)
+        learner.learn(token_ids, prompt_tokens=prompt_tokens, stats=stats)
 
     def clear_cache(self) -> None:
         """Forget every cached draft."""

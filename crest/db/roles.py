@@ -6,10 +6,10 @@ crest's tables and function (attaching and dropping partitions needs ownership),
 schema, and nothing else. The reader may connect, use the schema and SELECT crest's tables: the existing ones
 and, through `ALTER DEFAULT PRIVILEGES FOR ROLE writer`, every table the writer creates later (each store
 version's partitions, `crest_store_data`), and INSERT into `crest_learned`, the log of served tokens a server
-appends to: its data columns only, so ids and times stay the server's (an identity column needs no sequence
-privilege). It cannot update or delete, write any other
-table, create, drop or use any other schema. On PostgreSQL < 15, where PUBLIC may create in schema public,
-that right is revoked from PUBLIC (what 15 does by default). Every identifier is quoted with
+appends to: its data columns only (tokens and the request's figures), so ids and times stay the server's (an
+identity column needs no sequence privilege). It cannot update or delete, write any other table, create, drop
+or use any other schema. On PostgreSQL < 15, where PUBLIC may create in schema public, that right is revoked
+from PUBLIC (what 15 does by default). Every identifier is quoted with
 `psycopg.sql.Identifier`; passwords are sent as quoted literals.
 """
 
@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from crest_client.learner import STATS as LEARNED_STATS
 from psycopg import sql
 
 from crest import db
 from crest.config import check_store_name
 from crest.errors import ConfigError, DatabaseError
 
-LEARNED_INSERT_COLUMNS = ("store", "tokens", "n_tokens", "prompt_tokens", "source")
+LEARNED_INSERT_COLUMNS = ("store", "tokens", "n_tokens", "prompt_tokens", "source", *LEARNED_STATS)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 `crest_stores` holds one row per store version (state building -> published -> retired, or failed), and
 `crest_store_data` what a client loads once per version: the token table that tree blobs' ranks index and the
 filter of stored keys. A store name has one published `static` version (built by `crest ingest`) and at most
-one published `live` version (built from `crest_learned`, the append-only log of tokens it served).
+one published `live` version (built from `crest_learned`, the append-only log of tokens it served, each row
+with the figures of the request that served it: forwards, new tokens, accepted draft tokens per part).
 `crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills stand-alone tables and
 attaches them as partitions in the same transaction that publishes the version, so readers see either the
 previous version or the new one, never a partial one, and an old version is dropped as a whole.
@@ -12,6 +13,7 @@ previous version or the new one, never a partial one, and an old version is drop
 from __future__ import annotations
 
 import sqlalchemy as sa
+from crest_client.learner import STATS as LEARNED_STATS
 from sqlalchemy.dialects import postgresql as pg
 
 metadata = sa.MetaData()
@@ -86,6 +88,8 @@ learned = sa.Table(
     sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),  # leading ids that were context
     sa.Column("source", sa.Text, nullable=False, server_default=""),  # a server id, 'file', 'sdk'
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    # the figures of the request that served the row (crest_client.learner.STATS), 0 when not given
+    *(sa.Column(name, sa.Integer, nullable=False, server_default="0") for name in LEARNED_STATS),
 )
 sa.Index("crest_learned_store_id", learned.c.store, learned.c.id)
 

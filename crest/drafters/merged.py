@@ -61,6 +61,11 @@ class MergedDrafter:
         tree = merge_drafts(trees, shares=(a, b * self.secondary_share), tree_size=max_nodes)
         return tree if len(tree) else None
 
+    def last_trees(self, context_length: int) -> list[Draft | None] | None:
+        """Return each part's tree of the call for a context of this length (None when the last call was not it)."""
+        last = self._last
+        return last[2] if last is not None and last[0] == context_length else None
+
     def _learn(self, context_ids: Sequence[int]) -> None:
         """Score the last call's trees against the tokens appended since, when the context grew from it."""
         if self._last is None:

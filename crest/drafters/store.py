@@ -56,6 +56,11 @@ class StoreDrafter:
                 return _usable(tree, max_nodes)
         return self._tiers.draft(context_ids, max_nodes)
 
+    def drafted_tiers(self, context_length: int, tree: Draft | None) -> list[Draft | None]:
+        """Return the [static, live] trees behind `tree`, what this drafter drafted for a context of this length."""
+        merged = self._tiers.last_trees(context_length)
+        return merged if merged is not None else [tree, None]  # no live tier: the static tree itself
+
     def parts(self, context_ids: Sequence[int], max_nodes: int) -> list[Draft | None]:
         """Return [static, live] trees for the context, looked up once per context."""
         key = (len(context_ids), int(context_ids[-1]) if len(context_ids) else -1)

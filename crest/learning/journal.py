@@ -2,7 +2,8 @@
 
 `append_learned` writes token lists with one COPY in one transaction (all or nothing; the reader role may do
 it, it holds INSERT on this table alone). Tokens are stored as little-endian uint32, `n_tokens` beside them;
-`prompt_tokens` says how many leading ids were prompt context rather than served output. `read_window`
+`prompt_tokens` says how many leading ids were prompt context rather than served output, and `stats` (per row,
+optional) the figures of the request that served it (`crest_client.learner.STATS`; 0 when not given). `read_window`
 returns the most recent W tokens of a store as one token array with document offsets (a row is a document,
 its prompt context included), the form `crest.ingest.pipeline.build_store` takes.
 """
@@ -10,12 +11,13 @@ its prompt context included), the form `crest.ingest.pipeline.build_store` takes
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import psycopg
+from crest_client.learner import STATS
 
 from crest import db
 from crest.config import check_store_name
@@ -65,35 +67,56 @@ def append_learned(
     *,
     prompt_tokens: int | Sequence[int] = 0,
     source: str = "",
+    stats: Sequence[Mapping[str, int] | None] | None = None,
 ) -> int:
     """Append one row per non-empty token list to the store's learned log, all or none; return rows written."""
     check_store_name(store)
     prompts = [prompt_tokens] * len(token_lists) if isinstance(prompt_tokens, int) else list(prompt_tokens)
     if len(prompts) != len(token_lists):
         raise ConfigError(f"{len(prompts)} prompt_tokens for {len(token_lists)} token lists")
+    figures = [None] * len(token_lists) if stats is None else list(stats)
+    if len(figures) != len(token_lists):
+        raise ConfigError(f"{len(figures)} stats for {len(token_lists)} token lists")
     rows = []
-    for ids, prompt in zip(token_lists, prompts, strict=True):
+    for ids, prompt, given in zip(token_lists, prompts, figures, strict=True):
         data = encode_tokens(ids)
         n = len(data) // 4
         if not 0 <= int(prompt) <= n:
             raise ConfigError(f"prompt_tokens {prompt} is not between 0 and the row's {n} tokens")
         if n:
-            rows.append((store, data, n, int(prompt), source))
+            rows.append((store, data, n, int(prompt), source, *(() if stats is None else _stats_row(given))))
     if not rows:
         return 0
     if isinstance(conn_or_dsn, str):
         with db.session(conn_or_dsn) as conn:
-            return _copy_rows(conn, rows)
+            return _copy_rows(conn, rows, with_stats=stats is not None)
     try:
-        return _copy_rows(conn_or_dsn, rows)
+        return _copy_rows(conn_or_dsn, rows, with_stats=stats is not None)
     except psycopg.Error as exc:
         raise DatabaseError(f"could not append to the learned log: {str(exc).strip()}") from None
 
 
-def _copy_rows(conn: psycopg.Connection[Any], rows: list[tuple[str, bytes, int, int, str]]) -> int:
-    query = "COPY crest_learned (store, tokens, n_tokens, prompt_tokens, source) FROM STDIN (FORMAT BINARY)"
-    with conn.transaction(), conn.cursor() as cur, cur.copy(query) as copy:
-        copy.set_types(["text", "bytea", "int4", "int4", "text"])
+def _stats_row(given: Mapping[str, int] | None) -> tuple[int, ...]:
+    """Return a row's figures in `STATS` order (0 where not given); raise ConfigError on a bad one."""
+    given = given or {}
+    unknown = sorted(set(given) - set(STATS))
+    if unknown:
+        raise ConfigError(f"unknown learned figures {unknown}: known are {', '.join(STATS)}")
+    values = tuple(int(given.get(name, 0)) for name in STATS)
+    if any(not 0 <= v <= 2**31 - 1 for v in values):
+        raise ConfigError("learned figures must be integers in 0..2**31-1")
+    return values
+
+
+def _copy_rows(conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], *, with_stats: bool) -> int:
+    figures = STATS if with_stats else ()  # without: the columns' defaults, and the INSERT rights of schema 0003
+    columns = ", ".join(("store", "tokens", "n_tokens", "prompt_tokens", "source", *figures))
+    with (
+        conn.transaction(),
+        conn.cursor() as cur,
+        cur.copy(f"COPY crest_learned ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
+    ):
+        copy.set_types(["text", "bytea", "int4", "int4", "text", *["int4"] * len(figures)])
         for row in rows:
             copy.write_row(row)
     return len(rows)

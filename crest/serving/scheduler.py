@@ -42,6 +42,7 @@ from crest.serving.drafting import (
     expected_nodes,
     prefetch,
 )
+from crest.serving.learning import tally_parts
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class Outcome:
     accepted_draft_tokens: int
     rejected_draft_tokens: int
     cancelled: bool = False
+    accepted_parts: dict[str, int] = field(default_factory=dict)  # accepted tokens each part's tree held
 
 
 @dataclass
@@ -92,6 +94,7 @@ class _Row:
     future: Future[Outcome]
     accepted: int = 0
     failed_drafter: bool = False
+    parts: dict[str, int] = field(default_factory=dict)  # accepted tokens per drafter part (`tally_parts`)
 
 
 class _NoCache:
@@ -267,6 +270,9 @@ class Scheduler:
                 slots, new = accept_greedy(greedy[r], kids)
             accepted.append(slots)
             emitted.append(new)
+            if slots:  # the context is still the one the row drafted for
+                tally_parts(row.parts, row.request.drafter, drafts[r], context_length=len(row.state.context),
+                            accepted=new[: len(slots)])  # fmt: skip
         self.batch.commit(accepted)
         if self._costs is not None:
             self._costs.observe(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
@@ -361,7 +367,7 @@ class Scheduler:
         except Exception as exc:
             self._fail(row, exc)
             return
-        outcome = Outcome(result, row.accepted, state.draft_tokens - row.accepted, cancelled=cancelled)
+        outcome = Outcome(result, row.accepted, state.draft_tokens - row.accepted, cancelled, dict(row.parts))
         if self.metrics is not None:
             self.metrics.observe_done(outcome)
         row.future.set_result(outcome)
