@@ -1,1 +1,1 @@
-"""Benchmarks that print figures: ingest, lookup, generate and accept, with one results format."""
+"""Benchmarks that print figures: ingest, lookup, generate, accept, learn and learn-loop, with one results format."""

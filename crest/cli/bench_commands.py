@@ -410,6 +410,65 @@ def bench_learn_cmd(
     typer.echo(f"wrote {Path(out) / 'learn.json'}, {Path(out) / 'learn.md'}", err=True)
 
 
+@bench_app.command("learn-loop")
+def bench_learn_loop_cmd(
+    store: StoreName,
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for learn_loop.json, .md and the records.")],
+    prompts: Annotated[str, typer.Option(help="humaneval, or a JSONL file of prompts (prompt / turns[0] / text).")] = (
+        "humaneval"
+    ),
+    chat: Chat = False,
+    model: Model = "smollm2",
+    limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
+    max_new_tokens: MaxNewTokens = 128,
+    refresh_every: Annotated[
+        int, typer.Option(help="Finished requests between live rebuilds (1: after every request).")
+    ] = 1,
+    window: Window = DEFAULT_LEARN_WINDOW,
+    min_count: Annotated[int, typer.Option(help="Live trees for n-grams seen at least this often.")] = 2,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the second pass.")] = 0.8,
+    seed: Annotated[int, typer.Option(help="Seed of the second pass (prompt i samples with seed + i).")] = 0,
+    device: Device = "cpu",
+    dtype: Dtype = "float32",
+    as_json: Json = False,
+    dsn: Dsn = None,
+) -> None:
+    """Serve prompts through the real loop with learning, timed against model.generate and HF's prompt lookup."""
+    from crest.bench.learn_loop import LoopOptions, run_learn_loop
+    from crest.cli.display import print_rows
+    from crest.cli.store_commands import database
+
+    options = LoopOptions(
+        store=store,
+        prompts=prompts,
+        chat=chat,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        refresh_every=refresh_every,
+        window=window,
+        min_count=min_count,
+        temperature=temperature,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+    ).validate()
+    results = run_learn_loop(
+        options, model=model, dsn=database(dsn), out=Path(out), note=lambda line: typer.echo(line, err=True)
+    )
+    if as_json:
+        import json
+
+        print(json.dumps(results, default=str), flush=True)
+    else:
+        print_rows(f"{results['prompts']} requests on {store!r}, twice, through the real loop", results["rows"])
+        h = results["headline"]
+        typer.echo(
+            f"learning: {h['learning_vs_generate']}x generate, {h['learning_vs_best_hf_lookup']}x {h['best_hf_lookup']}"
+            f"; crest outputs differing from generate: {h['crest_mismatches']}"
+        )
+    typer.echo(f"wrote {Path(out) / 'learn_loop.json'}, {Path(out) / 'learn_loop.md'}", err=True)
+
+
 def _ints(text: str | None) -> tuple[int, ...]:
     from crest.errors import ConfigError
 
