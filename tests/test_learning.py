@@ -1,9 +1,9 @@
 """The learning tier on a real PostgreSQL: the learned log, live versions built by refresh, forget, and privileges.
 
-A live version must hold exactly the rows an ingest of the same token documents keeps at the same minimum
-count; a refresh with nothing new publishes nothing; a refresh killed while publishing leaves the previous live
-version; forget removes rows and every live version; appends from several processes lose nothing; the reader
-role may append to the log and do nothing else new.
+A live version must hold exactly the trees an ingest of the same token documents keeps at the same minimum
+count (its token table ranks the static version's tokens first); a refresh with nothing new publishes nothing;
+a refresh killed while publishing leaves the previous live version; forget removes rows and every live version;
+appends from several processes lose nothing; the reader role may append to the log and do nothing else new.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import psycopg
 import pytest
+from crest_client.codec import TokenTable, decode_tree
 from psycopg import sql
 
 from crest import db
@@ -62,6 +63,19 @@ def version_rows(dsn: str, store_id: int) -> set[tuple[int, bytes, int, bytes]]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute("SELECT n, key, count, tree FROM crest_ngrams WHERE store_id = %s", (store_id,)).fetchall()
     return {(int(n), bytes(k), int(c), bytes(t)) for n, k, c, t in rows}
+
+
+def decoded_rows(dsn: str, store_id: int) -> set[tuple[int, bytes, int, tuple[tuple[int, ...], ...]]]:
+    """Return a version's rows with each tree decoded with its own token table: (n, key, count, tree arrays)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT token_table FROM crest_store_data WHERE store_id = %s", (store_id,)).fetchone()
+    assert row is not None
+    table = TokenTable.from_bytes(row[0])
+    out = set()
+    for n, key, count, blob in version_rows(dsn, store_id):
+        tree = decode_tree(blob, n=n, table=table)
+        out.add((n, key, count, tuple(tuple(a.tolist()) for a in (tree.tokens, tree.parents, tree.weights))))
+    return out
 
 
 def published(dsn: str, store: str) -> dict[str, int]:
@@ -158,9 +172,9 @@ def test_refresh_publishes_a_live_version_equal_to_an_ingest_of_the_same_documen
 
     corpus = write_jsonl(tmp_path / "served.jsonl", [{"text": t} for t in SERVED])
     reference = ingest([str(corpus)], store="reference", tokenizer=str(word_tokenizer_dir), dsn=dsn, options=OPTIONS)
-    expected = {row for row in version_rows(dsn, reference.store_id) if row[2] >= 2}  # the live tier's min count
+    expected = {row for row in decoded_rows(dsn, reference.store_id) if row[2] >= 2}  # the live tier's min count
     assert expected and done.ngrams == len(expected)
-    assert version_rows(dsn, done.store_id) == expected
+    assert decoded_rows(dsn, done.store_id) == expected  # the same trees, ranked by another token table
     assert len(version_rows(dsn, reference.store_id)) > len(expected), "the corpus has n-grams seen once"
 
     static_id = published(dsn, "words")["static"]
@@ -177,13 +191,19 @@ def test_refresh_publishes_a_live_version_equal_to_an_ingest_of_the_same_documen
             for sid in (done.store_id, static_id, reference.store_id)
         )
     assert live[:3] == static[:3] and live[5] == static[5] > 0  # the static version's tokenizer and vocabulary
-    assert live[4] == ref[4]  # the token table ranks the served tokens
+    # the token table does not follow the window: the static version's ranking, then every other id
+    static_ranks = TokenTable.from_bytes(static[4]).tokens
+    live_ranks = TokenTable.from_bytes(live[4]).tokens
+    assert live[4] != ref[4] and len(live_ranks) == live[1]
+    assert live_ranks[: len(static_ranks)].tolist() == static_ranks.tolist()
+    assert sorted(live_ranks[len(static_ranks) :].tolist()) == live_ranks[len(static_ranks) :].tolist()
     params = live[3]
     assert (
         params["tier"] == "live" and params["window"] == DEFAULT_LEARN_WINDOW and params["static_version"] == static_id
     )
     assert (params["from_id"], params["through_id"]) == (done.from_id, done.through_id)
     assert params["max_n"] == 3 and params["continuation_length"] == 4  # the static store's build options
+    assert params["build"] == {"mode": "full", "reused": 0, "built": done.ngrams, "why": "no live version"}
 
 
 def test_refresh_with_nothing_new_publishes_nothing_and_a_new_one_drops_the_old(

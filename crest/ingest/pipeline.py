@@ -52,6 +52,18 @@ class Reporter(Protocol):
     def done(self, name: str) -> None: ...
 
 
+class Reuse(Protocol):
+    """Supplies rows of a previous version that need no rebuilding (the live tier's incremental refresh)."""
+
+    def copy(self, build: db.Build, n: int, ngrams: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """Copy the rows it can into the build; return (mask [K] of the n-grams copied, their nodes, blob bytes)."""
+        ...
+
+    def record(self, build: db.Build, summary: IngestSummary) -> None:
+        """Record in the build's params how it was built (before it is published)."""
+        ...
+
+
 class SilentReporter:
     """A reporter that shows nothing."""
 
@@ -229,8 +241,14 @@ def build_store(
     reporter: Reporter | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
     seconds: dict[str, float] | None = None,
+    token_table: TokenTable | None = None,
+    reuse: Reuse | None = None,
 ) -> IngestSummary:
-    """Count, select (n-grams seen `min_count` times or more), build trees, load and publish a version of `store`."""
+    """Count, select (n-grams seen `min_count` times or more), build trees, load and publish a version of `store`.
+
+    `token_table` replaces the ranking of the tokens by their count here; with a fixed top-t, `reuse` copies rows
+    instead of building them.
+    """
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
     options = options.validate().with_defaults()
     report = report or CorpusReport(documents=len(offsets) - 1)
@@ -264,6 +282,7 @@ def build_store(
         build.copy_vocab(vocabulary.pieces())
         fault_pause("build")
         loader = _Loader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
+        loader.fixed_table, loader.reuse = token_table, reuse
         top_t = loader.load(tokens, offsets, counts, rep)
         build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
         rep.done("build trees + load")
@@ -291,6 +310,8 @@ def build_store(
             seconds=seconds,
             top_t=top_t,
         )
+        if reuse is not None:
+            reuse.record(build, summary)
         publish_summary(build, summary, seconds=seconds, started=t0, allow_empty=allow_empty)
     except BaseException:
         build.fail()
@@ -330,19 +351,22 @@ class _Loader:
         self.covered: dict[int, int] = {n: 0 for n in range(1, options.max_n + 1)}
         self.nodes = 0
         self.blob_bytes = 0
+        self.fixed_table: TokenTable | None = None
+        self.reuse: Reuse | None = None
 
     def load(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int | None:
         """Load the selection (fixed T) or the largest T within the budget; return T."""
         opts = self.options
         unigram = np.zeros(self.vocab_size, dtype=np.int64)  # blobs store tokens by corpus frequency rank
         unigram[counts.ngrams(1)[:, 0]] = counts.counts[1]
-        self.table = TokenTable.from_counts(unigram)
+        self.table = TokenTable.from_counts(unigram) if self.fixed_table is None else self.fixed_table
         if opts.budget is None:
             assert opts.top_t is not None
             selected = self._frequent(select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n))
             total = sum(len(s.counts) for s in selected.values())
             advance = rep.stage("build trees + load", total)
             for n, sel in selected.items():
+                sel = self._reused(n, sel, advance)
                 rows = self._rows(tokens, offsets, n, sel.ngrams, sel.counts, advance)
                 self.build.copy_ngrams(rows)
             return opts.top_t
@@ -357,6 +381,21 @@ class _Loader:
             keep = int(np.count_nonzero(sel.counts >= self.min_count))  # counts are sorted descending
             out[n] = Selected(sel.ngrams[:keep], sel.counts[:keep], sel.keys[:keep])
         return out
+
+    def _reused(self, n: int, sel: Selected, advance: Advance) -> Selected:
+        """Copy the rows `reuse` supplies (accounted like built ones) and return the rest of the selection."""
+        if self.reuse is None or len(sel.counts) == 0:
+            return sel
+        done, nodes, blob_bytes = self.reuse.copy(self.build, n, sel.ngrams, sel.counts)
+        raw = np.ascontiguousarray(sel.ngrams[done], dtype=np.int64).astype(f">u{self.width}").tobytes()
+        stride = n * self.width
+        self.keys[n].extend(raw[i : i + stride] for i in range(0, len(raw), stride))
+        self.kept[n] += int(done.sum())
+        self.covered[n] += int(sel.counts[done].sum())
+        self.nodes += nodes
+        self.blob_bytes += blob_bytes
+        advance(int(done.sum()))
+        return Selected(sel.ngrams[~done], sel.counts[~done], sel.keys[~done])
 
     def _rows(
         self,

@@ -5,8 +5,12 @@ skips instead of waiting), returns None when nothing was learned since the publi
 `through_id` (or fewer than `min_new_tokens` tokens), else reads the window and builds it with
 `crest.ingest.pipeline.build_store` as a `live` version: the static version's tokenizer (fingerprint, size,
 vocabulary copied from it) and build options, keeping the n-grams seen at least `min_count` times, at most
-`max_ngrams` of each n. It is published in one transaction that retires only the previous live version, so
-a refresh killed at any point leaves the previous live version published; the retired one is then dropped.
+`max_ngrams` of each n. Its tokens are ranked by `crest.learning.incremental.live_token_table`, which does
+not follow the window, so a refresh is incremental (see `crest.learning.incremental`): the rows of n-grams
+that no new or departed learned row touches are copied from the previous live version, the rest are built,
+and the result equals a full rebuild of the window; `params["build"]` records which it was, the rows reused
+and built. It is published in one transaction that retires only the previous live version, so a refresh
+killed at any point leaves the previous live version published; the retired one is then dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions, che
 from crest.db.versions import refresh_lock_key
 from crest.errors import ConfigError, StoreNotFound
 from crest.ingest.pipeline import CHUNK_TOKENS, Reporter, Vocabulary, build_store
-from crest.learning.journal import new_since, read_window
+from crest.learning.incremental import LIVE_TABLE, PreviousRows, live_token_table, plan, read_learned
+from crest.learning.journal import new_since
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,9 @@ class RefreshResult:
     table_bytes: int
     index_bytes: int
     seconds: float
+    mode: str = "full"  # or incremental: rows copied from the replaced live version
+    reused: int = 0
+    built: int = 0
 
 
 def refresh_live(
@@ -58,6 +66,7 @@ def refresh_live(
     max_ngrams: int = DEFAULT_TOP_T,
     chunk_tokens: int = CHUNK_TOKENS,
     reporter: Reporter | None = None,
+    incremental: bool = True,
 ) -> RefreshResult | None:
     """Build and publish a live version of `store` from its last `window` learned tokens; None when skipped."""
     check_store_name(store)
@@ -85,6 +94,7 @@ def refresh_live(
                 max_ngrams=max_ngrams,
                 chunk_tokens=chunk_tokens,
                 reporter=reporter,
+                incremental=incremental,
             )
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", refresh_lock_key(store))
@@ -101,6 +111,7 @@ def _refresh(
     max_ngrams: int,
     chunk_tokens: int,
     reporter: Reporter | None,
+    incremental: bool,
 ) -> RefreshResult | None:
     db.clean_leftovers(conn, name=store, tier="live")  # a killed refresh's build
     static = published_version(conn, store, "static")
@@ -111,7 +122,10 @@ def _refresh(
     new_rows, new_tokens, newest = new_since(conn, store, after)
     if new_rows == 0 or new_tokens < min_new_tokens:
         return None
-    win = read_window(conn, store, window=window, through_id=newest, vocab_size=int(static["vocab_size"]))
+    vocab_size = int(static["vocab_size"])
+    down_to = int(live["params"].get("from_id", newest + 1)) if live else newest + 1
+    learned = read_learned(conn, store, window=window, through_id=newest, vocab_size=vocab_size, down_to=down_to)
+    win = learned.window
     if win.n_tokens == 0:
         return None
     vocab = conn.execute(
@@ -125,6 +139,8 @@ def _refresh(
         pieces=lambda: pieces,
     )
     options = dataclasses.replace(static_options(static["params"]), top_t=max_ngrams, budget=None)
+    how = plan(learned, live, static_id=int(static["id"]), options=options, incremental=incremental)
+    reuse = PreviousRows(how, vocab_size=vocab_size, options=options)
     params = {
         "tier": "live",
         "from_id": win.from_id,
@@ -133,6 +149,8 @@ def _refresh(
         "min_count": min_count,
         "max_ngrams": max_ngrams,
         "static_version": int(static["id"]),
+        "window_rows": win.rows,
+        "token_table": LIVE_TABLE,
     }
     summary = build_store(
         win.tokens,
@@ -147,6 +165,8 @@ def _refresh(
         allow_empty=True,  # nothing seen twice yet: an empty live version still records through_id
         reporter=reporter,
         chunk_tokens=chunk_tokens,
+        token_table=live_token_table(conn, int(static["id"]), vocab_size),
+        reuse=reuse,
     )
     db.clean_leftovers(conn, name=store, tier="live")  # the live version it replaced
     return RefreshResult(
@@ -162,6 +182,9 @@ def _refresh(
         table_bytes=summary.table_bytes,
         index_bytes=summary.index_bytes,
         seconds=round(sum(summary.seconds.values()), 3),
+        mode="full" if how.previous is None else "incremental",
+        reused=reuse.reused,
+        built=summary.rows - reuse.reused,
     )
 
 
