@@ -105,6 +105,28 @@ def test_learn_for_a_store_that_does_not_exist_fails(
     assert code == EXIT_FAILURE and "no published store named 'nope'" in one_error_line(err)
 
 
+@pytest.mark.parametrize(("flags", "mode"), [([], "incremental"), (["--full"], "full")], ids=["incremental", "full"])
+def test_a_second_refresh_copies_unchanged_rows_unless_full(
+    words: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    mode: str,
+) -> None:
+    texts = ["the dog sat on the cat", "a dog sat on the cat", "the cat sat on a dog"]
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts * 3])
+    assert run(monkeypatch, capsys, "learn", str(first), "--store", "words")[0] == 0
+    assert run(monkeypatch, capsys, "refresh", "--store", "words")[0] == 0
+    second = write_jsonl(tmp_path / "b.jsonl", [{"text": "a cat and a dog"}])
+    assert run(monkeypatch, capsys, "learn", str(second), "--store", "words")[0] == 0
+    code, out, err = run(monkeypatch, capsys, "refresh", "--store", "words", *flags)
+    found = re.search(rf"; {mode} build, ([\d,]+) rows copied, ([\d,]+) built", out)
+    assert code == 0 and found, (out, err)
+    copied = int(found.group(1).replace(",", ""))
+    assert (copied > 0) == (mode == "incremental"), out
+
+
 def test_refresh_then_nothing_new_then_forget(
     words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -115,7 +137,7 @@ def test_refresh_then_nothing_new_then_forget(
     code, out, err = run(monkeypatch, capsys, "refresh", "--store", "words", "--window", "100")
     found = re.fullmatch(
         r"store 'words': live version (\d+) published from learned rows 1\.\.2 \(2 rows, 12 tokens, 2 new\): "
-        r"(\d+) n-grams, [\d.]+ MB\n",
+        r"(\d+) n-grams, [\d.]+ MB; full build, 0 rows copied, \d+ built in [\d.]+ s\n",
         out,
     )
     assert code == 0 and found and int(found.group(2)) > 0, (out, err)

@@ -52,6 +52,9 @@ def refresh(
     ] = 0,
     min_count: Annotated[int, typer.Option(help="Keep the n-grams seen at least this often in the window.")] = 2,
     max_ngrams: Annotated[int, typer.Option(help="Keep at most this many n-grams of each n.")] = DEFAULT_TOP_T,
+    full: Annotated[
+        bool, typer.Option("--full", help="Rebuild every row instead of copying the unchanged ones from the last.")
+    ] = False,
     as_json: Json = False,
     dsn: Dsn = None,
 ) -> None:
@@ -67,7 +70,13 @@ def refresh(
     from crest.learning import refresh_live
 
     done = refresh_live(
-        database(dsn), store, window=window, min_new_tokens=min_new_tokens, min_count=min_count, max_ngrams=max_ngrams
+        database(dsn),
+        store,
+        window=window,
+        min_new_tokens=min_new_tokens,
+        min_count=min_count,
+        max_ngrams=max_ngrams,
+        incremental=not full,
     )
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(done) if done else None))
@@ -78,7 +87,8 @@ def refresh(
         typer.echo(
             f"store {store!r}: live version {done.store_id} published from learned rows"
             f" {done.from_id}..{done.through_id} ({done.rows:,} rows, {done.tokens:,} tokens,"
-            f" {done.new_rows:,} new): {done.ngrams:,} n-grams, {size:,.1f} MB"
+            f" {done.new_rows:,} new): {done.ngrams:,} n-grams, {size:,.1f} MB;"
+            f" {done.mode} build, {done.reused:,} rows copied, {done.built:,} built in {done.seconds:.1f} s"
         )
 
 
