@@ -7,24 +7,31 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psycopg
 import pytest
+from crest_client.codec import TokenTable, decode_tree
+from crest_client.draft import Draft
 
 from crest import db
-from crest.bench.learn import ROWS, LearnOptions, learned_rows, make_row_drafter, stream
+from crest.bench.accept import replay
+from crest.bench.adaptive import AdaptiveSizer, estimated_speedup, quiet_cpu_cost, replay_sized
+from crest.bench.learn import REST_ROW, ROWS, LearnOptions, learned_rows, make_row_drafter, stream
 from crest.bench.live_memory import LiveTrees, learned_window
 from crest.cli.app import main
 from crest.config import IngestOptions
+from crest.decoding.generator import SpeculativeGenerator
+from crest.drafters.suffix_array import RestIndex
 from crest.errors import ConfigError
 from crest.ingest.pipeline import ingest
 from crest.learning import append_learned, read_window, refresh_live
 from crest.learning.live import published_version, static_options
 from tests.fix_corpus import make_word_tokenizer, write_jsonl
-from tests.fix_models import tiny_model
+from tests.fix_models import IdTokenizer, tiny_model
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -108,10 +115,21 @@ def test_live_trees_hold_the_rows_refresh_live_publishes(words: str, min_count: 
     with psycopg.connect(words) as conn:
         stored = conn.execute("SELECT key, n, count, tree FROM crest_ngrams WHERE store_id = %s", (live["id"],))
         published = {bytes(k): (int(n), int(c), bytes(t)) for k, n, c, t in stored}
+        table = conn.execute("SELECT token_table FROM crest_store_data WHERE store_id = %s", (live["id"],)).fetchone()
     options = static_options(static["params"])
     tokens, offsets = learned_window(served, window=1_000_000)
     trees = LiveTrees.build(tokens, offsets, vocab_size=int(static["vocab_size"]), options=options, min_count=min_count)
-    assert published and trees.rows == published
+
+    def decoded(rows: dict[bytes, tuple[int, int, bytes]], ranks: TokenTable) -> dict[bytes, tuple[Any, ...]]:
+        """Return the rows with their trees decoded (a live version ranks tokens by the static version's table)."""
+        out = {}
+        for key, (n, count, blob) in rows.items():
+            tree = decode_tree(blob, n=n, table=ranks)
+            out[key] = (n, count, tree.tokens.tolist(), tree.parents.tolist(), tree.weights.tolist())
+        return out
+
+    assert table is not None
+    assert published and decoded(trees.rows, trees.table) == decoded(published, TokenTable.from_bytes(table[0]))
 
 
 def test_live_trees_draft_the_longest_learned_continuation() -> None:
@@ -173,11 +191,16 @@ def test_bench_learn_writes_its_files_and_reuses_references(
 
     again = tmp_path / "again"
     args[-1] = str(again)
-    code, _, err = _crest(monkeypatch, capsys, *args, "--references", str(out / "references.json"))
+    args += ["--references", str(out / "references.json"), "--rest", str(corpus)]  # the static store's corpus
+    code, _, err = _crest(monkeypatch, capsys, *args)
     assert code == 0, err
     reused = json.loads((again / "learn.json").read_text())
     assert reused["references"]["decoded"] is False and not (again / "references.json").exists()
-    assert [r["mean_accepted_length"] for r in reused["rows"]] == [r["mean_accepted_length"] for r in results["rows"]]
+    assert [r["drafter"] for r in reused["rows"]] == [*ROWS, REST_ROW] and reused["rest"]["tokens"] > 0
+    assert [r["mean_accepted_length"] for r in reused["rows"][: len(ROWS)]] == [
+        r["mean_accepted_length"] for r in results["rows"]
+    ]
+    assert reused["cost_model"]["calibrated"] is False and reused["cost_model"]["seconds"][-1] == 0.240
 
 
 @pytest.mark.parametrize(
@@ -209,3 +232,72 @@ def test_learn_options_validate() -> None:
     with pytest.raises(ConfigError, match="--window"):
         LearnOptions(store="s", window=0).validate()
     assert np.array_equal(learned_window([], window=5)[1], np.zeros(1, dtype=np.int64))
+
+
+class _Oracle:
+    """Drafts the next reference tokens as a chain with a wrong sibling under each, its depth varying by position."""
+
+    def __init__(self, reference: list[int], prompt_len: int, vocab: int) -> None:
+        self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab
+
+    def draft(self, context: Sequence[int], max_nodes: int) -> Draft | None:
+        done = len(context) - self.prompt_len
+        truth = self.reference[done : done + 1 + done % 5]
+        if done % 7 == 3 or not truth:
+            return None
+        tokens, parents = [], []
+        for i, t in enumerate(truth):
+            tokens += [t, (t + 1) % self.vocab]
+            parents += [2 * (i - 1) if i else -1] * 2
+        weights = np.arange(4 * len(tokens), 0, -4) - done % 3
+        return Draft(np.array(tokens), np.array(parents, dtype=np.int32), weights, 1, 4 * len(tokens) + 2)
+
+
+def test_adaptive_replay_takes_the_generators_own_steps() -> None:
+    model = tiny_model("llama", seed=5, vocab=64, max_positions=512)
+    plain = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=0)
+    gen = SpeculativeGenerator(model, IdTokenizer(), cost=quiet_cpu_cost())  # the adaptive size, pinned costs
+    sizer = AdaptiveSizer(quiet_cpu_cost())
+    for prompt in ([3, 9, 4, 7], [5, 5, 6], [8, 1, 2, 3, 4]):  # the sizer's state carries across requests
+        ref = plain.generate(prompt, max_new_tokens=48).output_token_ids
+        drafter = _Oracle(ref, len(prompt), 64)
+        got = gen.generate(prompt, drafter=drafter, max_new_tokens=48)
+        replayed = replay_sized(drafter, prompt, ref, sizer=sizer, max_new_tokens=48, max_positions=gen.max_positions)
+        assert got.output_token_ids == ref
+        assert (replayed.steps, sum(replayed.nodes)) == (got.forward_passes, got.draft_tokens)
+        assert 0 < sum(replayed.nodes) < sum(len(drafter.draft(prompt + ref[:d], 64) or []) for d in range(len(ref)))
+    full = replay_sized(drafter, prompt, ref, max_new_tokens=48)  # no sizer: the whole tree, as accept's replay
+    want = replay(drafter, prompt, ref, max_new_tokens=48)
+    assert (full.new_tokens, full.steps) == (want.new_tokens, want.steps)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "nodes", "speedup"),
+    [(2, [0, 0], 1.0), (4, [3], 0.065 * 4 / 0.080), (8, [63, 63], 0.065 * 8 / (2 * 0.240))],
+    ids=["no-drafts", "one-step", "full-trees"],
+)
+def test_estimated_speedup_prices_steps_by_the_cost_model(tokens: int, nodes: list[int], speedup: float) -> None:
+    assert estimated_speedup(tokens, nodes, [0.0] * len(nodes), quiet_cpu_cost()) == pytest.approx(speedup)
+
+
+def test_rest_row_drafts_from_its_index_and_learns_nothing() -> None:
+    refs = [OUTPUT, OUTPUT]
+    index = RestIndex.build(np.asarray(OUTPUT, dtype=np.int32), np.asarray([0, len(OUTPUT)]))
+    opts = LearnOptions(store="none", max_new_tokens=40, min_count=1)
+    done = stream(
+        opts,
+        prompt_ids=[[1, 2, 3]] * len(refs),
+        references=refs,
+        static_stores={},
+        vocab_size=64,
+        options=IngestOptions(max_n=2, top_t=1000),
+        max_positions=1 << 20,
+        cost=quiet_cpu_cost(),
+        rest_index=index,
+    )
+    first, second = done["per_request"]
+    assert first["rest"] == second["rest"] > 3  # the corpus holds the output from the start; it never changes
+    assert first["live"] == 1.0 and second["live"] > 3
+    rows = {r["drafter"]: r for r in done["rows"]}
+    assert list(rows) == [*ROWS, REST_ROW]
+    assert rows["rest"]["adaptive_mean_accepted_length"] > 1.0 and rows["prompt"]["est_speedup_adaptive"] > 0

@@ -9,9 +9,11 @@ encoding, on the static version's tokenizer and build options), but kept in memo
 one version per request would time the database, not the drafts, and nothing is ever written to the user's stores.
 The live trees are looked up with the static store's suffix rule (`crest_client.choice`), the static tier through
 the SDK. M (new tokens per target forward) is measured by replay on the plain greedy continuations, as `crest bench
-accept` does (trees cut to `max_nodes`), and each row's draft latency is timed; live lookups run in memory here,
-where a server gets both tiers in one round trip. Rows: prompt lookup; the static tier, the live tier and both
-(merged by `StoreDrafter` as served), each alone and merged with prompt lookup (as `crest+prompt`). Storage: the
+accept` does (trees cut to `max_nodes`), and again with each step's tree cut to the size the generator's adaptive
+sizing picks (`crest.bench.adaptive`, under the pinned quiet-CPU cost model or a calibrated one); each row's draft
+latency is timed; live lookups run in memory here, where a server gets both tiers in one round trip. Rows: prompt
+lookup; the static tier, the live tier and both (merged by `StoreDrafter` as served), each alone and merged with
+prompt lookup (as `crest+prompt`); with `rest`, REST over the static store's corpus as a reference. Storage: the
 stream's learned rows, repeated to 1M tokens, are loaded into a temporary copy of `crest_learned` (gone at the end
 of the session) and measured.
 """
@@ -22,15 +24,18 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from crest_client.draft import Draft
 
-from crest.bench.accept import AcceptOptions, Replay, _reference_key, replay
+from crest.bench.accept import AcceptOptions, _reference_key
+from crest.bench.adaptive import AdaptiveSizer, SizedReplay, estimated_speedup, quiet_cpu_cost, replay_sized
 from crest.bench.live_memory import LiveTrees, learned_window
 from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions
+from crest.decoding.sizing import CostModel
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.protocol import Drafter, NoneDrafter
@@ -39,6 +44,7 @@ from crest.errors import ConfigError, CorpusError
 from crest.learning.live import DEFAULT_MIN_COUNT, published_version, static_options
 
 ROWS = ("prompt", "static", "live", "static+live", "static+prompt", "live+prompt", "static+live+prompt")
+REST_ROW = "rest"  # a reference: REST over the static store's corpus, which learns nothing
 
 _STORAGE_TOKENS = 1_000_000  # learned tokens loaded to measure the log's bytes per 1M served tokens
 
@@ -57,6 +63,8 @@ class LearnOptions:
     window: int = DEFAULT_LEARN_WINDOW
     min_count: int = DEFAULT_MIN_COUNT
     references: str | None = None
+    rest: tuple[str, ...] = ()  # the static store's corpus (files, directories, globs): adds the REST row
+    calibrate: bool = False  # adaptive size under a measured cost model instead of the pinned quiet-CPU one
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -130,12 +138,26 @@ def stream(
     vocab_size: int,
     options: IngestOptions,
     max_positions: int,
+    cost: CostModel | None = None,
+    rest_index: Any = None,
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Serve the prompts in order, replay every row on each, and learn each finished request; return the figures."""
+    """Serve the prompts in order, replay every row on each, and learn each finished request; return the figures.
+
+    With `cost`, each row is also replayed with the adaptive size (one sizer per row for the whole stream); with
+    `rest_index`, a REST row drafts from it.
+    """
+    from crest.drafters.registry import make_drafter
     from crest.serving.learning import served_tokens
 
-    replays: dict[str, list[Replay]] = {name: [] for name in ROWS}
+    names = (*ROWS, REST_ROW) if rest_index is not None else ROWS
+    rest: Drafter | None = make_drafter(REST_ROW, rest_index=rest_index) if rest_index is not None else None
+    replays: dict[str, list[SizedReplay]] = {name: [] for name in names}
+    sized: dict[str, list[SizedReplay]] = {name: [] for name in names}
+    sizers = {name: AdaptiveSizer(cost) for name in names} if cost is not None else {}
+    play = partial(
+        replay_sized, max_nodes=opts.max_nodes, max_new_tokens=opts.max_new_tokens, max_positions=max_positions
+    )
     per_request: list[dict[str, Any]] = []
     learned: list[list[int]] = []
     live: LiveTrees | None = None
@@ -149,18 +171,17 @@ def stream(
             builds.append(time.perf_counter() - t0)
             built_from = rows
         record: dict[str, Any] = {"request": i, "learned_requests": rows, "live_ngrams": len(live.rows) if live else 0}
-        for name in ROWS:
-            drafter = make_row_drafter(name, static=static_stores.get(name), live=live)
-            r = replay(
-                drafter,
-                ids,
-                ref,
-                max_nodes=opts.max_nodes,
-                max_new_tokens=opts.max_new_tokens,
-                max_positions=max_positions,
-            )
+        drafters = {name: make_row_drafter(name, static=static_stores.get(name), live=live) for name in ROWS}
+        if rest is not None:
+            drafters[REST_ROW] = rest
+        for name, drafter in drafters.items():
+            r = play(drafter, ids, ref)
             replays[name].append(r)
             record[name] = round(r.new_tokens / max(1, r.steps), 4)
+            if name in sizers:
+                a = play(drafter, ids, ref, sizer=sizers[name])
+                sized[name].append(a)
+                record[f"{name} adaptive"] = round(a.new_tokens / max(1, a.steps), 4)
         per_request.append(record)
         note(f"request {i + 1}/{len(prompt_ids)}: static+live+prompt M {record['static+live+prompt']:.2f}")
         learned.append(served_tokens(ids, ref, max_n=options.max_n)[0])
@@ -168,7 +189,7 @@ def stream(
         *learned_window(learned, window=opts.window), vocab_size=vocab_size, options=options, min_count=opts.min_count
     )
     return {
-        "rows": [_row(name, done) for name, done in replays.items()],
+        "rows": [_row(name, done, sized[name], cost) for name, done in replays.items()],
         "per_request": per_request,
         "learned": learned,
         "live_builds": len(builds),
@@ -177,17 +198,30 @@ def stream(
     }
 
 
-def _row(name: str, replays: list[Replay]) -> dict[str, Any]:
-    """Return one row of the table: M over the stream and the draft latency (ms) of its steps."""
+def _row(name: str, replays: list[SizedReplay], sized: list[SizedReplay], cost: CostModel | None) -> dict[str, Any]:
+    """Return one row of the table: M over the stream and the draft latency (ms) of its steps; adaptive M too."""
     tokens, steps = sum(r.new_tokens for r in replays), sum(r.steps for r in replays)
-    ms = 1e3 * np.asarray([t for r in replays for t in r.draft_seconds] or [0.0])
-    return {
+    seconds = [t for r in replays for t in r.draft_seconds]
+    ms = 1e3 * np.asarray(seconds or [0.0])
+    row: dict[str, Any] = {
         "drafter": name,
         "mean_accepted_length": round(tokens / max(1, steps), 4),
         "new_tokens": tokens,
         "steps": steps,
         "draft_ms_mean": round(float(ms.mean()), 4),
         "draft_ms_p99": round(float(np.percentile(ms, 99)), 4),
+    }
+    if cost is None or not sized:
+        return row
+    a_tokens, a_steps = sum(a.new_tokens for a in sized), sum(a.steps for a in sized)
+    nodes = [k for a in sized for k in a.nodes]
+    a_seconds = [t for a in sized for t in a.draft_seconds]
+    full = [k for r in replays for k in r.nodes]
+    return row | {
+        "adaptive_mean_accepted_length": round(a_tokens / max(1, a_steps), 4),
+        "adaptive_nodes_mean": round(float(np.mean(nodes or [0])), 2),
+        "est_speedup_64": round(estimated_speedup(tokens, full, seconds, cost), 3),
+        "est_speedup_adaptive": round(estimated_speedup(a_tokens, nodes, a_seconds, cost), 3),
     }
 
 
@@ -240,6 +274,7 @@ def run_learn(
     from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
+    from crest.decoding.sizing import calibrate
     from crest.errors import FingerprintMismatch, StoreNotFound
     from crest.ingest.tokenizer import load_tokenizer
 
@@ -276,6 +311,8 @@ def run_learn(
             note(f"reference {i + 1}/{len(prompt_ids)}: {result.new_tokens} tokens in {result.seconds:.1f} s")
         body = {"key": key, "references": references, "seconds": seconds}
         (out / "references.json").write_text(json.dumps(body), encoding="utf-8")
+    cost = calibrate(loaded.model, on_progress=note) if opts.calibrate else quiet_cpu_cost()
+    rest_index = _rest_index(opts.rest, model=model, out=out) if opts.rest else None
     handles = {
         name: Store.connect(dsn, opts.store, tokenizer_fingerprint=fingerprint, timeout=1.0, pool_size=1, live=False)
         for name in ROWS
@@ -290,6 +327,8 @@ def run_learn(
             vocab_size=int(static["vocab_size"]),
             options=options,
             max_positions=base.max_positions,
+            cost=cost,
+            rest_index=rest_index,
             note=note,
         )
     finally:
@@ -316,7 +355,9 @@ def run_learn(
         prompts=len(prompts),
         method=(
             f"M by replay of greedy verification on the plain greedy continuations, trees cut to {opts.max_nodes} "
-            f"nodes; request i drafts from a live tier built from requests 0..i - 1 - (i mod {opts.refresh_every}), "
+            "nodes, and cut to the size the generator's adaptive sizing picks under the cost model "
+            f"({'calibrated' if opts.calibrate else 'pinned quiet-CPU curve'}: one sizer per row for the stream); "
+            f"request i drafts from a live tier built from requests 0..i - 1 - (i mod {opts.refresh_every}), "
             "built in memory as refresh_live builds it; live lookups in memory, static ones through the SDK"
         ),
         references={"file": str(given if not decoded else out / "references.json"), "decoded": decoded},
@@ -324,10 +365,24 @@ def run_learn(
         live_builds=measured["live_builds"],
         live_build_ms_mean=measured["live_build_ms_mean"],
         storage=storage,
+        cost_model={"calibrated": opts.calibrate} | cost.to_json(),
+        rest={"corpus": list(opts.rest), "tokens": len(rest_index)} if rest_index is not None else None,
         per_request=measured["per_request"],
     )
     _append_notes(results, out / "learn.md")
     return results
+
+
+def _rest_index(inputs: Sequence[str], *, model: str, out: Path) -> Any:
+    """Return a REST index over all of `inputs` (the static store's corpus), built in `out` or reused from there."""
+    from crest.bench.datastores import Corpus, build_rest_indexes, digest, size_tag
+    from crest.drafters.suffix_array import RestIndex
+
+    corpus = Corpus(list(inputs), "auto", digest(["learn", *inputs, *map(size_tag, inputs)]))
+    built = build_rest_indexes(
+        corpus, tokenizer=model, percents=(100.0,), out=out, seed=0, rebuild=False, setting="learn"
+    )
+    return RestIndex.load(out / built[0].name)
 
 
 def _append_notes(results: dict[str, Any], path: Path) -> None:
@@ -343,6 +398,7 @@ def _append_notes(results: dict[str, Any], path: Path) -> None:
         f"- Live tier after the stream: {live['ngrams']:,} n-grams, about {live['estimated_bytes']:,} bytes "
         "(estimated rows, index and key filter; the vocabulary copy of each live version not counted).",
         f"- Live rebuilds: {results['live_builds']}, {results['live_build_ms_mean']:.1f} ms each on average.",
+        f"- Adaptive size and est. speedups priced by the cost model {results['cost_model']} (seconds per forward).",
         f"- Static lookups that failed (no draft that step): {results['static_lookup_errors']}.",
     ]
     with path.open("a", encoding="utf-8") as handle:

@@ -372,6 +372,13 @@ def bench_learn_cmd(
         Path | None,
         typer.Option(help="Recorded greedy continuations (references.json of bench accept or learn) to reuse."),
     ] = None,
+    rest: Annotated[
+        list[str] | None,
+        typer.Option(help="The static store's corpus (files, directories, globs; repeat): adds a REST row over it."),
+    ] = None,
+    calibrate: Annotated[
+        bool, typer.Option(help="Size adaptive drafts with a measured cost model, not the pinned quiet-CPU one.")
+    ] = False,
     device: Device = "cpu",
     dtype: Dtype = "float32",
     as_json: Json = False,
@@ -393,6 +400,8 @@ def bench_learn_cmd(
         window=window,
         min_count=min_count,
         references=str(references) if references else None,
+        rest=tuple(rest or ()),
+        calibrate=calibrate,
         device=device,
         dtype=dtype,
     ).validate()
