@@ -71,6 +71,7 @@ class IngestOptions:
     selection: str = "combined"  # combined | single | upto
     single_n: int | None = None
     blob_format: int = 2  # 2: compact (bit-packed, ranked tokens); 1: byte arrays, cheaper to decode
+    keep: str = "count"  # count: top-t by count | savings, marginal: by expected saved tokens (crest.ingest.selection)
 
     def validate(self) -> IngestOptions:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -92,6 +93,8 @@ class IngestOptions:
             raise ConfigError(f"--blob-format must be 1 or 2, got {self.blob_format}")
         if self.selection not in ("combined", "single", "upto"):
             raise ConfigError(f"unknown selection {self.selection!r}: use combined, single or upto")
+        if self.keep not in ("count", "savings", "marginal"):
+            raise ConfigError(f"unknown --keep {self.keep!r}: use count, savings or marginal")
         if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):
             raise ConfigError("selection 'single' needs an n between 1 and --max-n")
         return self

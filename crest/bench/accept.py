@@ -64,6 +64,7 @@ class AcceptOptions:
     drafters: tuple[str, ...] = NAMES
     percents: tuple[float, ...] = REST_PERCENTS
     top_t: tuple[int, ...] = ()  # empty: chosen to give sizes in REST's range
+    keep: tuple[str, ...] = ("count",)  # savings, marginal: also a store per top-t at the count store's bytes
     max_n: int = 4
     limit: int | None = None
     max_new_tokens: int = 128
@@ -94,6 +95,8 @@ class AcceptOptions:
             raise ConfigError("--sizes are percentages of the corpus documents in (0, 100]")
         if any(t < 1 for t in (*self.top_t, *self.ablation_top_t)):
             raise ConfigError("--top-t values must be positive")
+        if any(k not in ("count", "savings", "marginal") for k in self.keep):
+            raise ConfigError(f"unknown --keep {','.join(self.keep)!r}: use count, savings or marginal")
         if self.timing not in TIMING:
             raise ConfigError(f"--timing must be one of {', '.join(TIMING)}")
         if min(self.max_new_tokens, self.max_nodes, self.max_n) < 1 or self.holdout < 0 or self.check < 0:
@@ -489,6 +492,19 @@ def run_accept(
                     rebuild=opts.rebuild,
                 )
             )
+            counted = crest[-1]
+            for keep in [k for k in opts.keep if k != "count"]:  # equal bytes: the count store's as the budget
+                options = IngestOptions(max_n=opts.max_n, budget=counted.nbytes, keep=keep, seed=opts.seed)
+                built = build_store(
+                    corpus,
+                    name=f"acc_{setting}_{keep}_t{t}",
+                    tokenizer=model,
+                    dsn=dsn,
+                    options=options,
+                    out=out,
+                    rebuild=opts.rebuild,
+                )
+                crest.append(replace(built, top_t=t))
     note(f"datastores ready: {', '.join(v.name for v in (*rest, *crest))}")
     loaded = load_model(model, device=opts.device, dtype=opts.dtype)
     prompt_ids = [loaded.encode_prompt(p, chat=chat) for p in prompts]

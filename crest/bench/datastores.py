@@ -201,6 +201,8 @@ def build_store(
     manifest = _read_json(manifest_path) or {}
     params = {"corpus": corpus.key, "fingerprint": load_tokenizer(resolve_model_spec(tokenizer)).fingerprint}
     params |= {**asdict(options), "format": corpus.fmt}
+    if options.keep == "count":
+        params.pop("keep")  # stores recorded before --keep existed are the count rule's: reuse them
     published = _published(dsn, name)
     recorded = manifest.get(name, {})
     reused = not rebuild and published is not None and recorded == {**params, "store_id": published["id"]}

@@ -290,6 +290,15 @@ def bench_accept_cmd(
     drafters: Annotated[str, typer.Option(help="Comma-separated drafters.")] = "none,prompt,rest,crest,crest+prompt",
     sizes: Annotated[str, typer.Option(help="REST sizes: percentages of the documents.")] = "1,2,4,8,16,32,64,100",
     top_t: Annotated[str | None, typer.Option(help="crest top-t values (default: sized like REST's).")] = None,
+    keep: Annotated[
+        str,
+        typer.Option(
+            "--keep",
+            envvar="CREST_KEEP",
+            help="Comma-separated n-gram keeping rules: count, savings, marginal (each non-count rule adds a store "
+            "per top-t, built with the count store's bytes as its --budget).",
+        ),
+    ] = "count",
     max_n: Annotated[int, typer.Option(help="crest stores' largest n.")] = 4,
     limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
     max_new_tokens: MaxNewTokens = 128,
@@ -322,6 +331,7 @@ def bench_accept_cmd(
         drafters=tuple(d.strip() for d in drafters.split(",") if d.strip()),
         percents=tuple(float(v) for v in sizes.split(",") if v.strip()),
         top_t=_ints(top_t),
+        keep=tuple(k.strip() for k in keep.split(",") if k.strip()),
         max_n=max_n,
         limit=limit,
         max_new_tokens=max_new_tokens,

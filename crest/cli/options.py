@@ -94,3 +94,13 @@ Tokenizer = Annotated[
 ]
 Format = Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")]
 Inputs = Annotated[list[str], typer.Argument(help="Files, directories or globs to read.")]
+Keep = Annotated[
+    str,
+    typer.Option(
+        "--keep",
+        envvar="CREST_KEEP",
+        show_envvar=True,
+        help="Which n-grams to keep: count (the most common), savings (occurrences x expected accepted length of "
+        "their tree, chosen from trees built for 3x as many) or marginal (savings over the (n-1)-suffix's tree).",
+    ),
+]

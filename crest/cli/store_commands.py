@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from crest.cli.options import Dsn, Format, Inputs, Json, StoreName, Tokenizer
+from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, Tokenizer
 from crest.config import DEFAULT_TOP_T
 
 
@@ -45,6 +45,7 @@ def ingest(
     seed: Annotated[int, typer.Option(help="Seed of the occurrence sampling.")] = 0,
     selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
+    keep: Keep = "count",
     blob_format: Annotated[
         int,
         typer.Option(envvar="CREST_BLOB_FORMAT", help="Tree blobs: 2 compact, 1 larger but faster to decode."),
@@ -92,7 +93,10 @@ def ingest(
         selection=selection,
         single_n=single_n,
         blob_format=blob_format,
+        keep=keep,
     ).validate()
+    if engine == "spark" and keep != "count":
+        raise ConfigError("--engine spark keeps n-grams by count only: use --keep count or --engine inprocess")
     if engine not in ("inprocess", "spark"):
         raise ConfigError(f"unknown --engine {engine!r}: use inprocess or spark")
     if engine == "spark":

@@ -29,6 +29,7 @@ from crest.config import IngestOptions, check_store_name, fault_pause, resolve_m
 from crest.errors import ConfigError, CorpusError
 from crest.ingest.corpus import CorpusReport, iter_documents
 from crest.ingest.ngrams import Selected, count_ngrams, select_top
+from crest.ingest.selection import load_savings
 from crest.ingest.tokenizer import Tokenizer, load_tokenizer, tokenize_corpus
 from crest.ingest.trees import TreeBatch, build_trees
 
@@ -360,6 +361,8 @@ class _Loader:
         unigram = np.zeros(self.vocab_size, dtype=np.int64)  # blobs store tokens by corpus frequency rank
         unigram[counts.ngrams(1)[:, 0]] = counts.counts[1]
         self.table = TokenTable.from_counts(unigram) if self.fixed_table is None else self.fixed_table
+        if opts.keep != "count":  # by expected saved tokens: crest.ingest.selection
+            return load_savings(self, tokens, offsets, counts, rep, row_bytes=self._row_bytes)
         if opts.budget is None:
             assert opts.top_t is not None
             selected = self._frequent(select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n))
@@ -456,6 +459,9 @@ class _Loader:
             for n, keys in self.keys.items()
         ]
         return KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
+
+    def _row_bytes(self, n: int, blob_bytes: np.ndarray) -> np.ndarray:
+        return estimate_row_bytes(n * self.width, blob_bytes)
 
     def _load_budget(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int:
         """Load rank blocks until the next rank no longer fits the budget; return the T reached."""

@@ -1,0 +1,137 @@
+"""Keeping n-grams by the tokens their trees are expected to save, not by raw count (`--keep savings|marginal`).
+
+Count-based selection keeps the top-t most common n-grams of each n. Here trees are built for a larger pool (the
+`POOL_FACTOR` x top-t most common of each n, or rank blocks until the pool holds `POOL_FACTOR` x the budget in
+bytes), each n-gram is scored by occurrences x its tree's expected accepted length, and the best by score are kept
+under the same limit: top-t x (number of n) rows, or the budget's bytes. The expected length is the sum of the
+nodes' path probabilities taken leave-one-out: in-sample, every continuation seen is in the tree, so any tree that
+was not cut to its size would expect the full continuation length (a rare n-gram's thin tree included); a new
+occurrence is instead matched only along nodes some other occurrence also passed, so nodes of weight 1 count 0
+(sum of the weights >= 2 over the root children's sum). `marginal` scores an n-gram by what it adds over its
+(n-1)-suffix (a context drafts from one suffix, so a tree no better than its shorter suffix's saves nothing
+extra): occurrences x max(0, expected - the suffix's expected), the suffix's taken from the pool (0 when absent).
+Trees and blobs are built once; kept rows are loaded as the count path loads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+from crest_client.codec import TokenTable, decode_tree
+
+from crest.config import IngestOptions
+from crest.errors import ConfigError
+from crest.ingest.ngrams import NgramCounts, Selected, select_top
+
+Advance = Callable[[int], None]
+Row = tuple[int, bytes, int, bytes, int]  # (index in the selection, key, count, blob, nodes)
+
+KEEP_RULES = ("count", "savings", "marginal")
+POOL_FACTOR = 3  # trees built per tree kept, at most
+
+
+class Loader(Protocol):
+    """What selection needs of the pipeline's loader: its build, options, table and row encoding."""
+
+    build: Any
+    options: IngestOptions
+    table: TokenTable
+    width: int
+
+    def _frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]: ...
+
+    def _encoded(
+        self, tokens: np.ndarray, offsets: np.ndarray, n: int, ngrams: np.ndarray, counts: np.ndarray
+    ) -> Iterator[Row]: ...
+
+    def _account(self, n: int, rows: Iterable[Row], advance: Advance) -> Iterator[tuple[bytes, int, int, bytes]]: ...
+
+
+def expected_accepted(blob: bytes, *, n: int, table: TokenTable | None) -> float:
+    """Return a tree blob's leave-one-out expected accepted length (nodes one occurrence alone reached count 0)."""
+    draft = decode_tree(blob, n=n, table=table)
+    weights = draft.weights.astype(np.float64)  # [T], non-increasing along every path
+    roots = float(weights[draft.parents < 0].sum())
+    return float(weights[weights >= 2].sum()) / roots if roots > 0 else 0.0
+
+
+def score(counts: np.ndarray, expected: np.ndarray, *, suffix_expected: np.ndarray | None = None) -> np.ndarray:
+    """Return expected saved tokens per n-gram: counts x expected (x the gain over the suffix, when given)."""
+    gain = expected if suffix_expected is None else np.maximum(expected - suffix_expected, 0.0)
+    return counts.astype(np.float64) * gain
+
+
+def choose(scores: np.ndarray, sizes: np.ndarray, *, rows: int | None = None, budget: int | None = None) -> np.ndarray:
+    """Return the indices of the best-scoring rows: the first `rows`, or the longest prefix within `budget` bytes."""
+    order = np.argsort(-scores, kind="stable")  # ties: pool order (count order, shorter n first)
+    if rows is not None:
+        return order[:rows]
+    if budget is None:
+        raise ConfigError("choose needs rows or a budget")
+    fit = int(np.searchsorted(np.cumsum(sizes[order]), budget, side="right"))
+    return order[:fit]
+
+
+def load_savings(
+    loader: Loader,
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    counts: NgramCounts,
+    rep: Any,
+    *,
+    row_bytes: Callable[[int, np.ndarray], np.ndarray],
+) -> int | None:
+    """Build trees for the pool, keep the best by expected saved tokens and load them; return top-t (or None)."""
+    opts = loader.options
+    if opts.keep not in KEEP_RULES[1:]:
+        raise ConfigError(f"load_savings needs --keep savings or marginal, got {opts.keep!r}")
+    ns = range(1, opts.max_n + 1) if opts.selection != "single" else [opts.single_n or 1]
+    ceiling = max(int(counts.unique(n)) for n in ns)
+    pool_t = ceiling if opts.budget is not None else min(ceiling, POOL_FACTOR * (opts.top_t or 1))
+    full = loader._frequent(select_top(counts, top_t=pool_t, mode=opts.selection, n=opts.single_n))
+    table = loader.table if opts.blob_format == 2 else None
+    pool: dict[int, list[Row]] = {n: [] for n in full}
+    expected: dict[int, list[float]] = {n: [] for n in full}
+    advance = rep.stage("build trees (pool)", None)
+    spent, lo, block = 0, 0, 4096
+    while lo < pool_t and (opts.budget is None or spent < POOL_FACTOR * opts.budget):
+        hi = min(pool_t, lo + block)
+        for n, sel in full.items():
+            if len(sel.counts) <= lo:
+                continue
+            for row in loader._encoded(tokens, offsets, n, sel.ngrams[lo:hi], sel.counts[lo:hi]):
+                pool[n].append(row)
+                expected[n].append(expected_accepted(row[3], n=n, table=table))
+                spent += int(row_bytes(n, np.array([len(row[3])]))[0])
+                advance(1)
+        lo, block = hi, block * 2
+    rep.done("build trees (pool)")
+
+    by_key = {n: {row[1]: e for row, e in zip(pool[n], expected[n], strict=True)} for n in pool}
+    width = loader.width
+    parts_n, parts_i, parts_score, parts_size = [], [], [], []
+    for n, rows in pool.items():
+        if not rows:
+            continue
+        exp = np.array(expected[n], dtype=np.float64)  # [R]
+        cnt = np.array([r[2] for r in rows], dtype=np.int64)  # [R]
+        suffix = None
+        if opts.keep == "marginal" and n > 1:
+            shorter = by_key.get(n - 1, {})
+            suffix = np.array([shorter.get(r[1][width:], 0.0) for r in rows], dtype=np.float64)
+        parts_n.append(np.full(len(rows), n, dtype=np.int64))
+        parts_i.append(np.arange(len(rows), dtype=np.int64))
+        parts_score.append(score(cnt, exp, suffix_expected=suffix))
+        parts_size.append(row_bytes(n, np.array([len(r[3]) for r in rows], dtype=np.int64)))
+    if not parts_n:
+        return opts.top_t
+    all_n, all_i = np.concatenate(parts_n), np.concatenate(parts_i)
+    limit_rows = None if opts.budget is not None else (opts.top_t or 0) * len(list(ns))
+    kept = choose(np.concatenate(parts_score), np.concatenate(parts_size), rows=limit_rows, budget=opts.budget)
+    advance = rep.stage("load (by expected savings)", int(kept.shape[0]))
+    for n, rows in pool.items():
+        mine = np.sort(all_i[kept[all_n[kept] == n]])  # count order within n
+        loader.build.copy_ngrams(loader._account(n, [rows[int(i)] for i in mine], advance))
+    return opts.top_t
