@@ -14,7 +14,8 @@ from crest_client.codec import encode_tree
 
 from crest.config import IngestOptions
 from crest.errors import EXIT_USAGE, ConfigError
-from crest.ingest.pipeline import Vocabulary, build_store, estimate_row_bytes
+from crest.ingest.loader import estimate_row_bytes
+from crest.ingest.pipeline import Vocabulary, build_store
 from crest.ingest.selection import choose, expected_accepted, score
 
 VOCAB = 64

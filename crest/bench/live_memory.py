@@ -19,8 +19,8 @@ from crest_client.codec import TokenTable, decode_tree, token_width
 from crest_client.draft import Draft
 
 from crest.config import IngestOptions
+from crest.ingest.loader import RowLoader, SilentReporter, estimate_row_bytes
 from crest.ingest.ngrams import count_ngrams
-from crest.ingest.pipeline import SilentReporter, _Loader, estimate_row_bytes
 from crest.learning.live import DEFAULT_MIN_COUNT
 
 
@@ -86,7 +86,7 @@ class LiveTrees:
         counts = count_ngrams(tokens, offsets, max_n=options.max_n, vocab_size=vocab_size)
         sink = _Rows()
         # the ingest pipeline's own loader, so the selection, min_count filter and blobs are a live version's
-        loader = _Loader(sink, vocab_size, options, chunk_tokens=1 << 22, min_count=min_count)  # type: ignore[arg-type]
+        loader = RowLoader(sink, vocab_size, options, chunk_tokens=1 << 22, min_count=min_count)  # type: ignore[arg-type]
         if tokens.shape[0]:
             loader.load(tokens, offsets, counts, SilentReporter())
         return cls(sink.rows, loader.table, options=options, vocab_size=vocab_size, rule=rule)

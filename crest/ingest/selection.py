@@ -33,7 +33,7 @@ POOL_FACTOR = 3  # trees built per tree kept, at most
 
 
 class Loader(Protocol):
-    """What selection needs of the pipeline's loader: its build, options, table and row encoding."""
+    """What selection needs of the row loader (crest.ingest.loader): its build, options, table and row encoding."""
 
     build: Any
     options: IngestOptions

@@ -31,15 +31,9 @@ from psycopg import sql
 from crest import db, errors
 from crest.config import IngestOptions, check_store_name, resolve_model_spec
 from crest.errors import ConfigError, CorpusError, CrestError
+from crest.ingest.loader import Reporter, SilentReporter
 from crest.ingest.ngrams import unpack_keys
-from crest.ingest.pipeline import (
-    CHUNK_TOKENS,
-    IngestSummary,
-    Reporter,
-    SilentReporter,
-    Vocabulary,
-    publish_summary,
-)
+from crest.ingest.pipeline import CHUNK_TOKENS, IngestSummary, Vocabulary, publish_summary
 from crest.ingest.spark_corpus import (
     corpus_report,
     number_documents,

@@ -16,7 +16,7 @@ import numpy as np
 from crest_client.codec import TokenTable
 
 from crest.config import IngestOptions
-from crest.ingest.pipeline import Reporter, SilentReporter, estimate_row_bytes
+from crest.ingest.loader import Reporter, SilentReporter, estimate_row_bytes
 from crest.ingest.spark_tasks import (
     LoadStats,
     Rows,

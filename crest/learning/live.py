@@ -26,7 +26,8 @@ from crest import db
 from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions, check_store_name
 from crest.db.versions import refresh_lock_key
 from crest.errors import ConfigError, StoreNotFound
-from crest.ingest.pipeline import CHUNK_TOKENS, Reporter, Vocabulary, build_store
+from crest.ingest.loader import Reporter
+from crest.ingest.pipeline import CHUNK_TOKENS, Vocabulary, build_store
 from crest.learning.incremental import LIVE_TABLE, PreviousRows, live_token_table, plan, read_learned
 from crest.learning.journal import new_since
 
