@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,14 +34,15 @@ from crest_client.draft import Draft
 from crest.bench.accept import AcceptOptions, _reference_key
 from crest.bench.adaptive import AdaptiveSizer, SizedReplay, estimated_speedup, quiet_cpu_cost, replay_sized
 from crest.bench.live_memory import LiveTrees, learned_window
-from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions
+from crest.bench.stream import prepare_stream
+from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
 from crest.decoding.sizing import CostModel
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.store import StoreDrafter
-from crest.errors import ConfigError, CorpusError
-from crest.learning.live import DEFAULT_MIN_COUNT, published_version, static_options
+from crest.errors import ConfigError
+from crest.learning.live import DEFAULT_MIN_COUNT
 
 ROWS = ("prompt", "static", "live", "static+live", "static+prompt", "live+prompt", "static+live+prompt")
 REST_ROW = "rest"  # a reference: REST over the static store's corpus, which learns nothing
@@ -268,31 +269,15 @@ def run_learn(
     """Replay the stream with learning and return its results (also written as learn.json and learn.md in `out`)."""
     from crest_client import Store
 
-    from crest import db
-    from crest.bench.prompts import load_prompts
     from crest.bench.results import save_run
-    from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
-    from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
-    from crest.errors import FingerprintMismatch, StoreNotFound
-    from crest.ingest.tokenizer import load_tokenizer
 
     started = time.time()
     opts.validate()
-    prompts = load_prompts(opts.prompts, limit=opts.limit)
-    if not prompts:
-        raise CorpusError(f"no prompts in {opts.prompts!r}")
-    with db.session(dsn) as conn:
-        static = published_version(conn, opts.store, "static")
-    if static is None:
-        raise StoreNotFound(f"no published store named {opts.store!r}")
-    options = replace(static_options(static["params"]), top_t=DEFAULT_TOP_T, budget=None)  # refresh_live's defaults
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
-    if fingerprint != static["tokenizer_fingerprint"]:
-        raise FingerprintMismatch(f"store {opts.store!r} was built with another tokenizer than model {model!r}")
-    loaded = load_model(model, device=opts.device, dtype=opts.dtype)
-    prompt_ids = [loaded.encode_prompt(p, chat=opts.chat) for p in prompts]
+    prepared = prepare_stream(opts, model=model, dsn=dsn)
+    static, options, fingerprint = prepared.version, prepared.options, prepared.fingerprint
+    loaded, prompt_ids, prompts = prepared.loaded, prepared.prompt_ids, prepared.prompts
     base = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=0)
     key = _reference_key(
         loaded, prompt_ids, AcceptOptions(max_new_tokens=opts.max_new_tokens, device=opts.device, dtype=opts.dtype)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,8 +27,9 @@ import torch
 
 from crest.bench.learn import learned_rows, make_row_drafter
 from crest.bench.live_memory import LiveTrees, learned_window
-from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions
-from crest.errors import ConfigError, CorpusError
+from crest.bench.stream import prepare_stream
+from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
+from crest.errors import ConfigError
 from crest.learning.live import DEFAULT_MIN_COUNT
 
 HF_ROWS = {"generate": 0, "hf-lookup-4": 4, "hf-lookup-10": 10}  # row: prompt_lookup_num_tokens (0: plain)
@@ -303,30 +304,13 @@ def run_learn_loop(
     """Run both passes and return the results (also written as learn_loop.json, .md and the records to `out`)."""
     from crest_client import Store
 
-    from crest import db
-    from crest.bench.prompts import load_prompts
     from crest.bench.results import open_records, save_run
-    from crest.config import resolve_model_spec
-    from crest.decoding.models import load_model
-    from crest.errors import FingerprintMismatch, StoreNotFound
-    from crest.ingest.tokenizer import load_tokenizer
-    from crest.learning.live import published_version, static_options
 
     started = time.time()
     opts.validate()
-    prompts = load_prompts(opts.prompts, limit=opts.limit)
-    if not prompts:
-        raise CorpusError(f"no prompts in {opts.prompts!r}")
-    with db.session(dsn) as conn:
-        version = published_version(conn, opts.store, "static")
-    if version is None:
-        raise StoreNotFound(f"no published store named {opts.store!r}")
-    options = replace(static_options(version["params"]), top_t=DEFAULT_TOP_T, budget=None)  # refresh_live's defaults
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
-    if fingerprint != version["tokenizer_fingerprint"]:
-        raise FingerprintMismatch(f"store {opts.store!r} was built with another tokenizer than model {model!r}")
-    loaded = load_model(model, device=opts.device, dtype=opts.dtype)
-    prompt_ids = [loaded.encode_prompt(p, chat=opts.chat) for p in prompts]
+    prepared = prepare_stream(opts, model=model, dsn=dsn)
+    version, options, fingerprint = prepared.version, prepared.options, prepared.fingerprint
+    loaded, prompt_ids, prompts = prepared.loaded, prepared.prompt_ids, prepared.prompts
     out.mkdir(parents=True, exist_ok=True)
     static = Store.connect(dsn, opts.store, tokenizer_fingerprint=fingerprint, timeout=1.0, pool_size=1, live=False)
     try:
