@@ -4,7 +4,8 @@
 `pg_basebackup -R` (the copy starts as a hot standby that streams from the primary) and starts that on another
 port. `replicated_db` gives each test a fresh database created and migrated on the primary, replayed on the
 replica, with the replica running again if an earlier test stopped it. Tests skip, with the reason, when the
-binaries lack `pg_basebackup`. Both servers are stopped and their directories removed at the end of the session.
+binaries lack `pg_basebackup` (they fail when `CREST_TESTS_REQUIRE` names replica). Both servers are stopped and
+their directories removed at the end of the session.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+
+from tests.fix_require import require
 
 _USER = "embedded_postgres"  # the system user the servers run as when the tests run as root
 _SETTINGS = (
@@ -150,7 +153,7 @@ def replica_pair() -> Iterator[ReplicaPair]:
     """Yield a running primary and streaming replica (skip when the binaries lack pg_basebackup)."""
     bindir = postgres_bin()
     if not (bindir / "pg_basebackup").exists():
-        pytest.skip(f"no pg_basebackup next to the embedded PostgreSQL server in {bindir}")
+        require("replica", f"no pg_basebackup next to the embedded PostgreSQL server in {bindir}")
     root = Path(tempfile.mkdtemp(prefix="crest-replica-"))
     pair = None
     try:

@@ -27,6 +27,7 @@ from crest.db.schema import learned
 from crest.errors import ConfigError
 from crest.ingest.pipeline import ingest
 from crest.ingest.tokenizer import load_tokenizer
+from tests.fix_require import require
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -73,6 +74,11 @@ def corpus(tmp_path: Path) -> Path:
 def _ingest(dsn: str, corpus: Path, store: str, tokenizer: Path) -> int:
     options = IngestOptions(top_t=50, max_n=3)
     return ingest([str(corpus)], store=store, tokenizer=str(tokenizer), dsn=dsn, options=options).store_id
+
+
+def _need_psql() -> None:
+    if shutil.which("psql") is None:
+        require("psql", "psql is not installed")
 
 
 def _refused(dsn: str, statement: str) -> None:
@@ -146,8 +152,8 @@ def test_cli_roles_reader_drafts_writer_ingests(
     assert again != old
 
 
-@pytest.mark.skipif(shutil.which("psql") is None, reason="psql is not installed")
 def test_roles_sql_file_with_psql(roles: Roles, corpus: Path, word_tokenizer_dir: Path) -> None:
+    _need_psql()
     _ingest(roles.admin, corpus, "s", word_tokenizer_dir)
     command = ["psql", roles.admin, "-q", "-v", f"reader={roles.reader}", "-v", f"writer={roles.writer}"]
     for _ in range(2):  # idempotent
@@ -190,8 +196,7 @@ def _column_rights(dsn: str, role: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize("how", ["create_roles", "roles.sql"])
 def test_the_reader_may_insert_learned_rows_with_figures_and_nothing_more(roles: Roles, how: str) -> None:
     if how == "roles.sql":
-        if shutil.which("psql") is None:
-            pytest.skip("psql is not installed")
+        _need_psql()
         command = ["psql", roles.admin, "-q", "-v", f"reader={roles.reader}", "-v", f"writer={roles.writer}"]
         done = subprocess.run([*command, "-f", str(SQL / "roles.sql")], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr

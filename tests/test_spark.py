@@ -1,5 +1,6 @@
 """The Spark engine publishes the same store as the in-process engine, whatever the partitioning, and a job that
-fails leaves the published version alone. Needs pyspark (`pip install 'crest[spark]'`) and Java; skipped without.
+fails leaves the published version alone. Needs pyspark (`pip install 'crest[spark]'`) and Java; skipped without
+(a failure when `CREST_TESTS_REQUIRE` names spark).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from crest.ingest.spark_tasks import (
 )
 from crest.ingest.trees import position_hash
 from tests.fix_corpus import CONVERSATIONS, write_jsonl, write_sharegpt
+from tests.fix_require import require, require_module
 
-pytest.importorskip("pyspark", reason="the spark engine needs pyspark: pip install 'crest[spark]'")
+require_module("spark", "pyspark", "the spark engine needs pyspark: pip install 'crest[spark]'")
 if shutil.which("java") is None:
-    pytest.skip("the spark engine needs a Java runtime (java on PATH)", allow_module_level=True)
+    require("spark", "the spark engine needs a Java runtime (java on PATH)")
 
 from crest.ingest.spark import ingest_spark, spark_session  # noqa: E402
 from crest.ingest.spark_load import ENV_FAULT, FIRST_BLOCK  # noqa: E402
