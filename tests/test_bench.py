@@ -33,7 +33,7 @@ def test_bench_ingest_prints_figures_and_drops_its_store(db_dsn: str, tmp_path: 
 
 
 def test_bench_lookup_batch_times_draft_many(db_dsn: str) -> None:
-    from tests.test_store import ROWS, publish
+    from tests.fix_store import ROWS, publish
 
     publish(db_dsn, "demo", ROWS)
     args = ["bench", "lookup", "--store", "demo", "--batch", "8", "--samples", "20", "--json", "--dsn", db_dsn]

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from crest.bench.lookup import bench_load
 from crest.cli.app import app
 from crest.errors import ConfigError
-from tests.test_store import ROWS, publish
+from tests.fix_store import ROWS, publish
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "cache"])

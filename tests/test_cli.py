@@ -26,8 +26,7 @@ from crest.cli.app import app, main
 from crest.config import IngestOptions
 from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 from crest.ingest.pipeline import ingest
-from tests.test_faults import OLD_TEXT, snapshot, visible_state, write_corpus
-from tests.test_store import ROWS, publish
+from tests.fix_store import OLD_TEXT, ROWS, publish, snapshot, visible_state, write_corpus
 
 pytest_plugins = ["tests.fix_corpus"]
 

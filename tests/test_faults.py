@@ -11,7 +11,6 @@ database is real throughout: the shared test server, or a private embedded-postg
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import shutil
@@ -33,33 +32,12 @@ from crest_client import Store
 
 from crest.config import FAULT_STAGES, IngestOptions
 from crest.ingest.pipeline import ingest
+from tests.fix_store import CONTEXTS, OLD_TEXT, Snapshot, draft_key, snapshot, visible_state, write_corpus
 
 pytest_plugins = ["tests.fix_corpus"]
 
-WORD_IDS = range(2, 9)  # the ids of fix_corpus.WORDS in the word tokenizer
-CONTEXTS = [[a] for a in WORD_IDS] + [[a, b] for a in WORD_IDS for b in WORD_IDS]
-OLD_TEXT = ["the cat sat on the mat", "a dog sat on a mat", "the dog sat on the cat", "the cat sat on a dog"]
 NEW_TEXT = ["the mat sat on a dog", "a cat sat on the dog", "the mat sat on the cat", "dog on mat on cat"]
 OPTIONS = IngestOptions(top_t=1000, max_n=3, continuation_length=4)
-Snapshot = dict[tuple[int, ...], Any]
-
-
-def write_corpus(path: Path, texts: Sequence[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*texts, *texts]))
-    return path
-
-
-def draft_key(draft: Any) -> Any:
-    """Return a comparable value for a draft (or None)."""
-    if draft is None:
-        return None
-    return (draft.n, draft.tokens.tolist(), draft.parents.tolist(), draft.weights.tolist())
-
-
-def snapshot(dsn: str, store: str) -> Snapshot:
-    """Return every context's draft from the version published now, read by a fresh handle."""
-    with Store.connect(dsn, store, cache_size=0, timeout=5.0) as handle:
-        return {tuple(c): draft_key(handle.draft(c)) for c in CONTEXTS}
 
 
 class Reader(threading.Thread):
@@ -105,23 +83,6 @@ def published(dsn: str, store: str) -> list[int]:
             "SELECT id FROM crest_stores WHERE name = %s AND state = 'published' ORDER BY id", (store,)
         ).fetchall()
     return [int(r[0]) for r in rows]
-
-
-def visible_state(dsn: str) -> dict[str, Any]:
-    """Return what readers can see: published ids, attached partitions and row counts per version."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SET lock_timeout = '10s'")
-        ids = [int(r[0]) for r in conn.execute("SELECT id FROM crest_stores WHERE state = 'published'")]
-        parts = sorted(
-            str(r[0])
-            for r in conn.execute(
-                "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = 'crest_ngrams'::regclass"
-            )
-        )
-        rows: dict[int, int] = dict(
-            conn.execute("SELECT store_id, count(*) FROM crest_ngrams GROUP BY store_id").fetchall()
-        )
-    return {"published": ids, "partitions": parts, "rows": rows}
 
 
 def leftovers(dsn: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from crest.bench.results import envelope, markdown, write_results
 from crest.cli.app import app, main
 from crest.errors import CrestError
-from tests.test_store import ROWS, publish
+from tests.fix_store import ROWS, publish
 
 
 def test_envelope_records_command_versions_and_rows(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,59 +23,12 @@ from crest_client import (
     Store,
     StoreNotFound,
 )
-from crest_client.codec import TokenTable, encode_tree, token_width
-from crest_client.keyfilter import KeyFilter, hash_keys
+from crest_client.codec import encode_tree
+from crest_client.keyfilter import KeyFilter
 
 from crest import db
 from crest.drafters.registry import open_drafter
-
-VOCAB = 1000
-
-
-def _key(ngram: tuple[int, ...]) -> bytes:
-    return np.asarray(ngram, dtype=f">u{token_width(VOCAB)}").tobytes()
-
-
-def _tree(first: int, size: int) -> bytes:
-    tokens = np.arange(first, first + size, dtype=np.int64)
-    parents = np.arange(-1, size - 1, dtype=np.int32)  # a chain
-    weights = np.arange(size, 0, -1, dtype=np.int64)
-    return encode_tree(tokens, parents, weights, vocab_size=VOCAB)
-
-
-def publish(
-    dsn: str,
-    name: str,
-    rows: dict[tuple[int, ...], bytes],
-    *,
-    fingerprint: str = "fp-a",
-    data: bool = True,
-    tier: str = "static",
-) -> int:
-    build = db.begin_build(
-        dsn,
-        name,
-        fingerprint=fingerprint,
-        tokenizer="test",
-        vocab_size=VOCAB,
-        token_width=token_width(VOCAB),
-        params={"max_n": 3},
-        tier=tier,
-    )
-    try:
-        build.copy_vocab((i, f"<{i}>") for i in range(VOCAB))
-        build.copy_ngrams((_key(k), len(k), 7, tree) for k, tree in rows.items())
-        if data:  # the token table and key filter an ingest writes; without them clients probe every length
-            hashes = np.concatenate([hash_keys(np.array([k])) for k in rows] or [np.zeros(0, np.uint64)])
-            build.write_store_data(TokenTable(np.arange(VOCAB)).to_bytes(), KeyFilter.build(hashes).to_bytes())
-        build.finish_tables()
-        build.publish({"kept": {"1": len(rows)}})
-        return build.store_id
-    finally:
-        build.close()
-
-
-ROWS = {(5,): _tree(100, 4), (4, 5): _tree(200, 6), (3, 4, 5): _tree(300, 8), (9, 9): _tree(400, 2)}
+from tests.fix_store import ROWS, VOCAB, chain_tree, ngram_key, publish
 
 
 @pytest.fixture()
@@ -155,7 +108,7 @@ def test_draft_many_matches_draft(store: Store) -> None:
     assert [d.tokens.tolist() if d else None for d in many] == [d.tokens.tolist() if d else None for d in one]
 
 
-LIVE = {(4, 5): _tree(600, 3), (7, 7, 7): _tree(700, 5)}
+LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}
 
 
 def _firsts(parts: list[list[Draft | None]]) -> list[list[int | None]]:
@@ -164,7 +117,7 @@ def _firsts(parts: list[list[Draft | None]]) -> list[list[int | None]]:
 
 @pytest.mark.parametrize("batch", [False, True], ids=["draft", "draft_many"])
 def test_expected_rule_prefers_a_rich_shorter_suffix_over_a_thin_longer_one(db_dsn: str, batch: bool) -> None:
-    thin = _tree(900, 3)  # weights 3, 2, 1 from 7 occurrences: 3 / 8 that its first token is right
+    thin = chain_tree(900, 3)  # weights 3, 2, 1 from 7 occurrences: 3 / 8 that its first token is right
     rich = encode_tree(np.array([50, 51]), np.array([-1, 0], dtype=np.int32), np.array([7, 7]), vocab_size=VOCAB)
     publish(db_dsn, "demo", {(4, 5): rich, (3, 4, 5): thin})
     for rule, first in (("longest", 900), ("expected", 50)):
@@ -205,7 +158,7 @@ def test_draft_parts_follows_a_live_tier_published_later(db_dsn: str) -> None:
         publish(db_dsn, "demo", LIVE, tier="live")
         assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, 700]]
         assert _firsts([static_only.draft_parts([7, 7, 7])]) == [[None, None]]
-        publish(db_dsn, "demo", {(7, 7, 7): _tree(800, 2)}, tier="live")
+        publish(db_dsn, "demo", {(7, 7, 7): chain_tree(800, 2)}, tier="live")
         assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, 800]]
 
 
@@ -254,7 +207,7 @@ def test_reader_follows_a_republished_version(db_dsn: str, how: str) -> None:
     interval = 0.0 if how == "refresh-interval" else 3600.0
     with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=interval) as store:
         assert store.draft([8, 5]) is not None
-        publish(db_dsn, "demo", {(8, 5): _tree(500, 3)})
+        publish(db_dsn, "demo", {(8, 5): chain_tree(500, 3)})
         if how == "old-version-dropped":
             with db.session(db_dsn) as conn:
                 db.clean_leftovers(conn)
@@ -266,7 +219,7 @@ def test_reader_follows_a_republished_version(db_dsn: str, how: str) -> None:
 def test_reader_stays_on_its_version_until_refresh(db_dsn: str) -> None:
     publish(db_dsn, "demo", ROWS)
     with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=3600.0) as store:
-        publish(db_dsn, "demo", {(8, 5): _tree(500, 3)})
+        publish(db_dsn, "demo", {(8, 5): chain_tree(500, 3)})
         draft = store.draft([7, 8, 5])
         assert draft is not None and int(draft.tokens[0]) == 100  # still the complete old version
 
@@ -303,7 +256,9 @@ def test_tree_altered_in_the_database_is_a_miss_logged_once(
     assert store.draft([3, 4, 5]) is not None
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute(f"UPDATE crest_ngrams SET tree = {ALTERATIONS[alteration]} WHERE n = 3")
-        conn.execute("UPDATE crest_ngrams SET tree = '\\x0102030405'::bytea WHERE n = 2 AND key = %s", (_key((9, 9)),))
+        conn.execute(
+            "UPDATE crest_ngrams SET tree = '\\x0102030405'::bytea WHERE n = 2 AND key = %s", (ngram_key((9, 9)),)
+        )
     store.clear_cache()
     for _ in range(2):
         assert store.draft([3, 4, 5]) is None  # the longest suffix's tree is corrupt: a miss, no fallback
@@ -333,7 +288,7 @@ def test_killed_build_is_cleaned_and_previous_version_kept(db_dsn: str) -> None:
     build = db.begin_build(
         db_dsn, "demo", fingerprint="fp-a", tokenizer="t", vocab_size=VOCAB, token_width=2, params={}
     )
-    build.copy_ngrams([(_key((1,)), 1, 1, _tree(1, 2))])
+    build.copy_ngrams([(ngram_key((1,)), 1, 1, chain_tree(1, 2))])
     build.conn.close()  # the builder dies: its liveness lock goes with its session
     with Store.connect(db_dsn, "demo", timeout=2.0) as handle:
         assert handle.draft([3, 4, 5]) is not None
