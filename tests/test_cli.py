@@ -7,6 +7,7 @@ a real subprocess where a signal, the terminal width or a warning at import matt
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -22,32 +23,16 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-from crest.cli.app import app, main
+from crest.cli.app import app
 from crest.config import IngestOptions
 from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 from crest.ingest.pipeline import ingest
+from tests.fix_cli import one_error_line, run
 from tests.fix_store import OLD_TEXT, ROWS, publish, snapshot, visible_state, write_corpus
 
 pytest_plugins = ["tests.fix_corpus"]
 
 REFUSED = "postgresql://crest@127.0.0.1:1/nothing?connect_timeout=5"  # nothing listens on port 1
-
-
-def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run `crest ARGS` through main(); return the exit code, stdout and stderr."""
-    monkeypatch.setattr(sys, "argv", ["crest", *args])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        main()
-    captured = capsys.readouterr()
-    return int(done.value.code or 0), captured.out, captured.err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), err
-    assert "Traceback" not in err and "unexpected" not in err, err
-    return lines[0]
 
 
 USAGE = [
@@ -105,6 +90,19 @@ def test_bench_ingest_does_not_take_crest_store(monkeypatch: pytest.MonkeyPatch)
     assert "bench_ingest" in help_text and "CREST_STORE" not in help_text
 
 
+def test_help_keeps_square_brackets_and_shows_no_value_for_flags() -> None:
+    def help_of(*command: str) -> str:
+        done = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+        assert done.exit_code == 0, done.output
+        return done.output
+
+    assert '{"tokens": [ids]}' in help_of("learn") and "pip install 'crest[spark]'" in help_of("ingest")
+    lookup = help_of("lookup")
+    assert re.search(r"--json\s+Print JSON", lookup) and re.search(r"--help\s+Show this", lookup), lookup
+    assert "<bool>" not in lookup + help_of("bench", "ingest") + help_of("serve"), lookup
+    assert "lookup [OPTIONS] {TEXT}" in lookup  # the argument by its name, not its type
+
+
 @pytest.mark.parametrize("drafter", ["magic", "crest"], ids=["unknown", "crest-without-store"])
 def test_bad_drafter_is_refused_before_the_model_loads(tmp_path: Path, drafter: str) -> None:
     env = {**os.environ, "CREST_DATABASE_URL": REFUSED}
@@ -137,6 +135,35 @@ def test_commands_that_read_a_fresh_database(
     assert got == code, err
     assert re.search(pattern, one_error_line(err) if code else out), (out, err)
     assert "crest_stores" not in err
+
+
+class _Terminal(io.StringIO):
+    """Standard input that says it is a terminal (what a user types is its text)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_drop_asks_first_and_refuses_without_a_terminal(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sid = publish(db_dsn, "demo", ROWS)
+    publish(db_dsn, "other", ROWS)
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # a pipe: no one to ask
+    code, out, err = run(monkeypatch, capsys, "drop", "demo")
+    assert code == EXIT_USAGE and out == "" and "add --yes" in one_error_line(err)
+    monkeypatch.setattr("sys.stdin", _Terminal("n\n"))
+    code, out, err = run(monkeypatch, capsys, "drop", "demo")
+    assert code == EXIT_FAILURE and f"Drop store 'demo' (static version {sid}) and its 0 learned rows?" in out
+    assert "aborted" in err
+    names = {r["name"] for r in json.loads(run(monkeypatch, capsys, "stores", "--json")[1])}
+    assert names == {"demo", "other"}
+    monkeypatch.setattr("sys.stdin", _Terminal("y\n"))
+    asked = f"Drop store 'demo' (static version {sid}) and its 0 learned rows? [y/N]: "
+    assert run(monkeypatch, capsys, "drop", "demo")[:2] == (0, f"{asked}dropped store 'demo' (version {sid})\n")
+    assert run(monkeypatch, capsys, "drop", "other", "--yes")[0] == 0
+    assert run(monkeypatch, capsys, "stores")[1] == "no store yet: run crest ingest\n"
 
 
 UNREACHABLE = [
@@ -217,6 +244,8 @@ def test_db_queries_run_every_shipped_query(
             assert (code, rows) == (0, []), (out, err)
             continue
         assert code == 0 and rows and all(row["store"] == "demo" for row in rows), (query.name, out, err)
+        numbers_as_text = [v for row in rows for v in row.values() if isinstance(v, str) and re.fullmatch(r"[\d.]+", v)]
+        assert numbers_as_text == [], (query.name, out)  # SQL numerics print as JSON numbers
     own = tmp_path / "mine.sql"
     own.write_text("-- Store names.\nSELECT name FROM crest_stores\n")
     code, out, _ = run(monkeypatch, capsys, "db", "query", str(own), "--dsn", db_dsn)

@@ -18,20 +18,26 @@ import typer
 
 from crest.cli.bench_commands import bench_app, rest_app
 from crest.cli.db_commands import db_app, server_app
+from crest.cli.drafter_commands import drafters
+from crest.cli.export_commands import export_hf
 from crest.cli.generate import generate
 from crest.cli.learn_commands import forget, learn, refresh
 from crest.cli.serve import serve
 from crest.cli.store_commands import drop, ingest, lookup, stores
 from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, CrestClientError, exit_code
 
+# plain click help: rich markup would eat square brackets in help texts ({"tokens": [ids]}, 'crest[spark]') and
+# typer's rich panels show a <bool> value for flags, which take none; subcommand groups inherit this mode
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,
     help="Compact, database-backed drafting stores for speculative decoding.",
     epilog="Exit codes: 0 ok, 1 failure, 2 usage or bad input, 3 database, 130 interrupted.",
 )
-for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, serve):
+for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, serve, drafters):
     app.command()(command)
+app.command("export-hf")(export_hf)
 app.add_typer(db_app, name="db")
 app.add_typer(server_app, name="server")
 app.add_typer(bench_app, name="bench")

@@ -174,7 +174,8 @@ def bench_generate_cmd(
         return
     if prompts is None:
         raise ConfigError("give --prompts (humaneval or a JSONL file), or --from-records FILE")
-    names = [check_drafter(d, store=store, rest_index=rest_index) for d in drafters.split(",") if d.strip()]
+    asked = [d for d in drafters.split(",") if d.strip()]
+    names = [check_drafter(d, where="bench", store=store, rest_index=rest_index) for d in asked]
     prompt_texts = load_prompts(prompts, limit=limit)
     check_run(prompt_texts, max_new_tokens=max_new_tokens)
     with contextlib.ExitStack() as stack:
@@ -230,16 +231,14 @@ def bench_serve_cmd(
     from crest.bench.prompts import load_prompts
     from crest.bench.serve import check_levels, run_serve_bench
     from crest.bench.serve_report import append_targets, targets, write_plot
+    from crest.drafters.registry import check_drafter
     from crest.errors import ConfigError
 
     started = time.time()
     levels = check_levels(concurrency)
-    names = [d.strip().lower() for d in drafters.split(",") if d.strip()]
-    bad = [d for d in names if d not in ("none", "prompt", "crest", "crest+prompt")]
-    if not names or bad:
-        raise ConfigError(f"--drafters takes none, prompt, crest, crest+prompt; got {drafters!r}")
-    if any(d.startswith("crest") for d in names) and not store:
-        raise ConfigError("the crest drafters need --store NAME")
+    names = [check_drafter(d, where="serve", store=store) for d in drafters.split(",") if d.strip()]
+    if not names:
+        raise ConfigError(f"--drafters takes drafter names (`crest drafters` lists them); got {drafters!r}")
     if max_tokens < 1 or (limit is not None and limit < 1) or (max_batch is not None and max_batch < 1):
         raise ConfigError("--max-tokens, --limit and --max-batch must be positive")
     texts = load_prompts(prompts, limit=limit)
@@ -386,11 +385,11 @@ def _report(
     import json
 
     from crest.bench.results import save_run
-    from crest.cli.display import print_figures, print_rows
+    from crest.cli.display import json_value, print_figures, print_rows
 
     results, paths = save_run(benchmark, rows, started=started, title=title, out=out, **extra)
     if as_json:
-        print(json.dumps(results, default=str), flush=True)
+        print(json.dumps(results, default=json_value), flush=True)
     elif len(rows) == 1:
         print_figures(title, rows[0])
     else:

@@ -81,7 +81,9 @@ def bench_learn_cmd(
     if as_json:
         import json
 
-        print(json.dumps(results, default=str), flush=True)
+        from crest.cli.display import json_value
+
+        print(json.dumps(results, default=json_value), flush=True)
     else:
         print_rows(f"{results['prompts']} requests on {store!r}, learning in order (M by replay)", results["rows"])
         per_m = results["storage"]["bytes_per_million_tokens"]
@@ -136,7 +138,9 @@ def bench_learn_loop_cmd(
     if as_json:
         import json
 
-        print(json.dumps(results, default=str), flush=True)
+        from crest.cli.display import json_value
+
+        print(json.dumps(results, default=json_value), flush=True)
     else:
         print_rows(f"{results['prompts']} requests on {store!r}, twice, through the real loop", results["rows"])
         h = results["headline"]

@@ -13,7 +13,9 @@ server_app = typer.Typer(no_args_is_help=True, help="The embedded default Postgr
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head", dsn: Dsn = None) -> None:
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(metavar="REVISION", help="Target revision.")] = "head", dsn: Dsn = None
+) -> None:
     """Create or migrate crest's tables (safe to run many times)."""
     from crest import db
     from crest.config import resolve_dsn
@@ -46,7 +48,8 @@ def db_queries() -> None:
 @db_app.command("query")
 def db_query(
     query: Annotated[
-        str | None, typer.Argument(help="A shipped query's name (see --list) or a .sql file.", show_default=False)
+        str | None,
+        typer.Argument(metavar="QUERY", help="A shipped query's name (see --list) or a .sql file.", show_default=False),
     ] = None,
     list_them: Annotated[bool, typer.Option("--list", help="List the shipped queries instead.")] = False,
     as_json: Json = False,

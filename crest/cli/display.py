@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from crest_client.draft import Draft
@@ -64,6 +65,14 @@ class RichReporter:
         if task is not None:
             current = self._progress.tasks[task].completed
             self._progress.update(task, total=current, completed=current)
+
+
+def json_value(value: Any) -> Any:
+    """Return `value` as JSON can hold it: SQL numerics and numpy scalars as numbers, anything else as text."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    item = getattr(value, "item", None)  # numpy scalars
+    return item() if callable(item) else str(value)
 
 
 def _mb(value: float) -> str:
@@ -135,7 +144,7 @@ def print_draft(draft: Draft | None, pieces: Sequence[str], *, as_json: bool = F
 def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False, show_state: bool = False) -> None:
     """Print the stores with their key figures: a table, or one block per store when the terminal is narrow."""
     if as_json:
-        out.print_json(json.dumps(rows, default=str))
+        out.print_json(json.dumps(rows, default=json_value))
         return
     if not rows:
         out.print("no store yet: run crest ingest")
@@ -168,7 +177,7 @@ def print_query(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     """Print a query's rows as a table (one block per row when the terminal is narrow), or as JSON lines."""
     if as_json:
         for row in rows:
-            print(json.dumps(dict(zip(columns, row, strict=True)), default=str), flush=True)
+            print(json.dumps(dict(zip(columns, row, strict=True)), default=json_value), flush=True)
         return
     if not rows:
         out.print(f"{title}: no rows")

@@ -24,11 +24,11 @@ from crest.cli.options import (
 
 
 def generate(
-    prompt: Annotated[str | None, typer.Argument(help="Prompt text (or use --prompts).")] = None,
+    prompt: Annotated[str | None, typer.Argument(metavar="PROMPT", help="Prompt text (or use --prompts).")] = None,
     model: Model = "smollm2",
     store: OptionalStore = None,
     drafter: Annotated[
-        str, typer.Option(envvar="CREST_DRAFTER", help="none, prompt, rest, crest or crest+prompt.")
+        str, typer.Option(envvar="CREST_DRAFTER", help="The drafter; `crest drafters` lists them.")
     ] = "crest+prompt",
     rest_index: Annotated[str | None, typer.Option(help="REST index directory for --drafter rest.")] = None,
     prompts: Annotated[str | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
@@ -101,7 +101,7 @@ def run_generate(
     from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
-    from crest.drafters.registry import check_drafter, open_drafter
+    from crest.drafters.registry import check_drafter, kind_of, open_drafter
     from crest.errors import ConfigError
     from crest.ingest.tokenizer import load_tokenizer
 
@@ -109,9 +109,9 @@ def run_generate(
         raise ConfigError("give a PROMPT or --prompts FILE (one of them)")
     if max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens must be positive")
-    name = check_drafter(drafter, store=store, rest_index=rest_index)  # before the model loads
+    name = check_drafter(drafter, where="generate", store=store, rest_index=rest_index)  # before the model loads
     texts = [prompt] if prompt is not None else list(read_prompts(str(prompts_file)))
-    if name in ("crest", "crest+prompt"):
+    if "store" in kind_of(name).needs:
         _migrate_if_reachable(dsn)
     loaded = load_model(model, device=device, dtype=dtype)
     fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint

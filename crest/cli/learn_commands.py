@@ -25,7 +25,9 @@ Window = Annotated[
 
 
 def learn(
-    files: Annotated[list[str], typer.Argument(help="JSONL transcripts (tokens, text, prompt+completion) or text.")],
+    files: Annotated[
+        list[str], typer.Argument(metavar="FILES", help="JSONL transcripts (tokens, text, prompt+completion) or text.")
+    ],
     store: StoreName,
     source: Annotated[str, typer.Option(help="Recorded as the rows' source.")] = "file",
     dsn: Dsn = None,

@@ -93,7 +93,7 @@ Tokenizer = Annotated[
     ),
 ]
 Format = Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")]
-Inputs = Annotated[list[str], typer.Argument(help="Files, directories or globs to read.")]
+Inputs = Annotated[list[str], typer.Argument(metavar="INPUTS", help="Files, directories or globs to read.")]
 Keep = Annotated[
     str,
     typer.Option(

@@ -132,7 +132,7 @@ def ingest(
 
 
 def lookup(
-    text: Annotated[str, typer.Argument(help="Text whose end is looked up.")],
+    text: Annotated[str, typer.Argument(metavar="TEXT", help="Text whose end is looked up.")],
     store: StoreName,
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", "-t", help="Default: the tokenizer the store was built with.")
@@ -172,10 +172,30 @@ def stores(
     print_stores(rows, as_json=as_json, show_state=show_all)
 
 
-def drop(name: Annotated[str, typer.Argument(help="Store to drop.")], dsn: Dsn = None) -> None:
-    """Drop a store: its published static and live versions and what it learned."""
-    from crest import db
+def drop(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Store to drop.")],
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed without a terminal).")
+    ] = False,
+    dsn: Dsn = None,
+) -> None:
+    """Drop a store: its published static and live versions and what it learned (asks first, unless --yes)."""
+    import sys
 
-    with db.session(database(dsn)) as conn:
+    from crest import db
+    from crest.errors import ConfigError, StoreNotFound
+
+    url = database(dsn)
+    with db.session(url) as conn:
+        versions = [row for row in db.list_stores(conn) if row["name"] == name]
+    if not any(row["tier"] == "static" for row in versions):
+        raise StoreNotFound(f"no published store named {name!r}")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"crest drop {name} asks for confirmation and stdin is not a terminal: add --yes")
+        learned = max(int(row["learned_rows"] or 0) for row in versions)
+        what = ", ".join(f"{row['tier']} version {row['id']}" for row in versions)
+        typer.confirm(f"Drop store {name!r} ({what}) and its {learned:,} learned rows?", abort=True)
+    with db.session(url) as conn:
         sid = db.drop_store(conn, name)
     typer.echo(f"dropped store {name!r} (version {sid})")
