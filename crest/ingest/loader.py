@@ -18,7 +18,7 @@ from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 from crest.config import IngestOptions, fault_pause
-from crest.ingest.ngrams import Selected, select_top
+from crest.ingest.ngrams import Selected, lengths_for, select_top
 from crest.ingest.selection import load_savings
 from crest.ingest.trees import TreeBatch, build_trees
 
@@ -198,7 +198,7 @@ class RowLoader:
         """Load rank blocks until the next rank no longer fits the budget; return the T reached."""
         opts = self.options
         assert opts.budget is not None
-        ns = range(1, opts.max_n + 1) if opts.selection != "single" else [opts.single_n or 1]
+        ns = lengths_for(counts.keys, mode=opts.selection, n=opts.single_n)
         ceiling = max(int(counts.unique(n)) for n in ns)
         full = self._frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
         advance = rep.stage("build trees + load (budget)", None)

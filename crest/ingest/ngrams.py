@@ -11,15 +11,15 @@ document.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from crest.config import SELECTION_MODES
 from crest.errors import ConfigError, CorpusError
 
 Advance = Callable[[int], None]
-MODES = ("combined", "single", "upto")
 
 
 def key_bits(vocab_size: int) -> int:
@@ -247,20 +247,20 @@ def rank(counts: NgramCounts, n: int, top_t: int | None = None) -> np.ndarray:
     return index[np.argsort(-values[index], kind="stable")]
 
 
-def lengths_for(counts: NgramCounts, *, mode: str = "combined", n: int | None = None) -> list[int]:
-    """Return the n-gram lengths a selection mode keeps."""
-    counted = sorted(counts.keys)
+def lengths_for(counted: Iterable[int], *, mode: str = "combined", n: int | None = None) -> list[int]:
+    """Return the n-gram lengths a selection mode keeps of the `counted` ones (every n, one n, or each n <= m)."""
+    counted = sorted(counted)
     if mode == "combined":
         return counted
     if mode == "single":
-        if n is None or n not in counts.keys:
+        if n is None or n not in counted:
             raise ConfigError(f"selection 'single' needs an n among the counted lengths {counted}, got {n}")
         return [n]
     if mode == "upto":
         if n is not None and n < 1:
             raise ConfigError(f"selection 'upto' needs n >= 1, got {n}")
         return [k for k in counted if n is None or k <= n]
-    raise ConfigError(f"unknown selection mode {mode!r}: use one of {', '.join(MODES)}")
+    raise ConfigError(f"unknown selection mode {mode!r}: use one of {', '.join(SELECTION_MODES)}")
 
 
 def select_top(counts: NgramCounts, *, top_t: int, mode: str = "combined", n: int | None = None) -> dict[int, Selected]:
@@ -268,7 +268,7 @@ def select_top(counts: NgramCounts, *, top_t: int, mode: str = "combined", n: in
     if top_t <= 0:
         raise ConfigError(f"top_t must be a positive number of n-grams, got {top_t}")
     out: dict[int, Selected] = {}
-    for k in lengths_for(counts, mode=mode, n=n):
+    for k in lengths_for(counts.keys, mode=mode, n=n):
         order = rank(counts, k, top_t)
         out[k] = Selected(counts.ngrams(k, order), counts.counts[k][order], counts.keys[k][order])
     return out

@@ -21,14 +21,13 @@ from typing import Any, Protocol
 import numpy as np
 from crest_client.codec import TokenTable, decode_tree
 
-from crest.config import IngestOptions
+from crest.config import KEEP_RULES, IngestOptions
 from crest.errors import ConfigError
-from crest.ingest.ngrams import NgramCounts, Selected, select_top
+from crest.ingest.ngrams import NgramCounts, Selected, lengths_for, select_top
 
 Advance = Callable[[int], None]
 Row = tuple[int, bytes, int, bytes, int]  # (index in the selection, key, count, blob, nodes)
 
-KEEP_RULES = ("count", "savings", "marginal")
 POOL_FACTOR = 3  # trees built per tree kept, at most
 
 
@@ -87,7 +86,7 @@ def load_savings(
     opts = loader.options
     if opts.keep not in KEEP_RULES[1:]:
         raise ConfigError(f"load_savings needs --keep savings or marginal, got {opts.keep!r}")
-    ns = range(1, opts.max_n + 1) if opts.selection != "single" else [opts.single_n or 1]
+    ns = lengths_for(counts.keys, mode=opts.selection, n=opts.single_n)
     ceiling = max(int(counts.unique(n)) for n in ns)
     pool_t = ceiling if opts.budget is not None else min(ceiling, POOL_FACTOR * (opts.top_t or 1))
     full = loader._frequent(select_top(counts, top_t=pool_t, mode=opts.selection, n=opts.single_n))
@@ -128,7 +127,7 @@ def load_savings(
     if not parts_n:
         return opts.top_t
     all_n, all_i = np.concatenate(parts_n), np.concatenate(parts_i)
-    limit_rows = None if opts.budget is not None else (opts.top_t or 0) * len(list(ns))
+    limit_rows = None if opts.budget is not None else (opts.top_t or 0) * len(ns)
     kept = choose(np.concatenate(parts_score), np.concatenate(parts_size), rows=limit_rows, budget=opts.budget)
     advance = rep.stage("load (by expected savings)", int(kept.shape[0]))
     for n, rows in pool.items():

@@ -17,6 +17,7 @@ from crest_client.codec import TokenTable
 
 from crest.config import IngestOptions
 from crest.ingest.loader import Reporter, SilentReporter, estimate_row_bytes
+from crest.ingest.ngrams import lengths_for
 from crest.ingest.spark_tasks import (
     LoadStats,
     Rows,
@@ -61,12 +62,7 @@ class Loader:
         self.bases = job.sc.broadcast(bases)
         self.unigram = job.sc.broadcast(unigram)
         opts = job.options
-        if opts.selection == "single":
-            self.ns = [opts.single_n or 1]
-        elif opts.selection == "upto":
-            self.ns = [k for k in range(1, opts.max_n + 1) if opts.single_n is None or k <= opts.single_n]
-        else:
-            self.ns = list(range(1, opts.max_n + 1))
+        self.ns = lengths_for(range(1, opts.max_n + 1), mode=opts.selection, n=opts.single_n)
         self.stats: list[LoadStats] = []
         self.block = 0
         self.fault = os.environ.get(ENV_FAULT) == "copy"
