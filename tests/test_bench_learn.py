@@ -19,12 +19,13 @@ from crest_client.draft import Draft
 
 from crest import db
 from crest.bench.accept import replay
-from crest.bench.adaptive import AdaptiveSizer, estimated_speedup, quiet_cpu_cost, replay_sized
+from crest.bench.adaptive import estimated_speedup, quiet_cpu_cost, replay_sized
 from crest.bench.learn import REST_ROW, ROWS, LearnOptions, learned_rows, make_row_drafter, stream
 from crest.bench.live_memory import LiveTrees, learned_window
 from crest.cli.app import main
 from crest.config import IngestOptions
 from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.policy import DraftPolicy
 from crest.drafters.suffix_array import RestIndex
 from crest.errors import ConfigError
 from crest.ingest.pipeline import ingest
@@ -257,16 +258,16 @@ def test_adaptive_replay_takes_the_generators_own_steps() -> None:
     model = tiny_model("llama", seed=5, vocab=64, max_positions=512)
     plain = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=0)
     gen = SpeculativeGenerator(model, IdTokenizer(), cost=quiet_cpu_cost())  # the adaptive size, pinned costs
-    sizer = AdaptiveSizer(quiet_cpu_cost())
-    for prompt in ([3, 9, 4, 7], [5, 5, 6], [8, 1, 2, 3, 4]):  # the sizer's state carries across requests
+    policy = DraftPolicy(cost=quiet_cpu_cost())
+    for prompt in ([3, 9, 4, 7], [5, 5, 6], [8, 1, 2, 3, 4]):  # the policy's state carries across requests
         ref = plain.generate(prompt, max_new_tokens=48).output_token_ids
         drafter = _Oracle(ref, len(prompt), 64)
         got = gen.generate(prompt, drafter=drafter, max_new_tokens=48)
-        replayed = replay_sized(drafter, prompt, ref, sizer=sizer, max_new_tokens=48, max_positions=gen.max_positions)
+        replayed = replay_sized(drafter, prompt, ref, policy=policy, max_new_tokens=48, max_positions=gen.max_positions)
         assert got.output_token_ids == ref
         assert (replayed.steps, sum(replayed.nodes)) == (got.forward_passes, got.draft_tokens)
         assert 0 < sum(replayed.nodes) < sum(len(drafter.draft(prompt + ref[:d], 64) or []) for d in range(len(ref)))
-    full = replay_sized(drafter, prompt, ref, max_new_tokens=48)  # no sizer: the whole tree, as accept's replay
+    full = replay_sized(drafter, prompt, ref, max_new_tokens=48)  # no policy: the whole tree, as accept's replay
     want = replay(drafter, prompt, ref, max_new_tokens=48)
     assert (full.new_tokens, full.steps) == (want.new_tokens, want.steps)
 

@@ -252,7 +252,7 @@ def test_merge_drafts_repairs_weights_that_grow_downwards() -> None:
 
 
 def test_merged_estimates_keep_their_shares() -> None:
-    from crest.decoding.sizing import path_probabilities
+    from crest_client.draft import path_probabilities
 
     tree = build_draft([[1, 2], [1, 3], [4]], tree_size=8, n=1)
     half = merge_drafts([tree], shares=[0.5], tree_size=8)  # a part trusted half as much predicts half

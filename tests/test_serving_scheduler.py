@@ -185,7 +185,7 @@ def test_draft_size_shrinks_to_nothing_when_it_does_not_pay() -> None:
     dtype = torch.float64
     prompt = [4, 5, 6, 7] * 5
     sched = Scheduler(model(dtype), IdTokenizer(), max_batch=2, cost=STEEP)
-    sched._predicted = 10.0  # enough evidence: no exploration probes
+    sched.policy.observe(accepted=5, predicted=10.0)  # evidence at the prior ratio: no exploration probes
     outcome = drive(sched, [(0, Request(prompt, max_tokens=10, drafter=OracleDrafter(prompt, 10, 0, dtype)))])[0]
     check_exact(prompt, outcome.result.output_token_ids, 10, dtype)
     assert outcome.result.draft_tokens == 0
@@ -203,7 +203,7 @@ def test_drafters_are_spared_while_drafting_does_not_pay() -> None:
             return super().draft(context_ids, max_nodes)
 
     sched = Scheduler(model(dtype), IdTokenizer(), max_batch=2, cost=STEEP)
-    sched._predicted = 10.0  # enough evidence: no exploration probes
+    sched.policy.observe(accepted=5, predicted=10.0)  # evidence at the prior ratio: no exploration probes
     outcome = drive(sched, [(0, Request(prompt, max_tokens=40, drafter=Counting(prompt, 40, 0, dtype)))])[0]
     check_exact(prompt, outcome.result.output_token_ids, 40, dtype)
     assert outcome.result.draft_tokens <= 8  # at most the exploration probes (every 16 idle steps, 4 nodes)
@@ -278,7 +278,7 @@ class CountingStore:
 
 
 def test_prefetch_is_one_round_trip_per_store_and_errors_cost_drafts_only() -> None:
-    from crest.serving.drafting import StoreLease, prefetch
+    from crest.drafters.lease import StoreLease, prefetch
 
     shared, other, down = CountingStore(), CountingStore(), CountingStore(down=True)
     leases = [StoreLease(shared), StoreLease(other), StoreLease(shared), StoreLease(down), StoreLease(shared)]
@@ -290,7 +290,7 @@ def test_prefetch_is_one_round_trip_per_store_and_errors_cost_drafts_only() -> N
 
 
 def test_batch_draft_sizes_shrink_as_rows_join() -> None:
-    from crest.serving.drafting import batch_draft_sizes
+    from crest.decoding.policy import batch_draft_sizes
 
     cpu = CostModel([1, 8, 64, 512], [1.0, 1.5, 6.0, 48.0])  # nearly free up to 8 tokens, then linear
     chain = Draft(np.arange(16), np.arange(-1, 15, dtype=np.int32), np.full(16, 100) - np.arange(16))
@@ -299,7 +299,7 @@ def test_batch_draft_sizes_shrink_as_rows_join() -> None:
 
 
 def test_step_cost_follows_observed_steps_and_shrinks_drafts() -> None:
-    from crest.serving.drafting import StepCost, batch_draft_sizes
+    from crest.decoding.policy import StepCost, batch_draft_sizes
 
     prior = CostModel([1, 8, 64, 512], [1.0, 1.5, 6.0, 48.0])
     cost = StepCost(prior)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("torch_threads")  # one torch thread per te
 
 
 def test_path_probabilities_are_weight_ratio_products() -> None:
-    from crest.decoding.sizing import path_probabilities
+    from crest_client.draft import path_probabilities
 
     draft = Draft(np.array([1, 2, 3, 4, 5]), np.array([-1, -1, 0, 2, 1], dtype=np.int32), np.array([6, 2, 3, 3, 4]))
     # root children 6/8 and 2/8; 3 of 6 go on; all 3 of those go on; a child heavier than its parent is capped
@@ -44,7 +44,8 @@ def test_path_probabilities_are_weight_ratio_products() -> None:
     ids=["flat", "linear", "mild", "hopeless"],
 )
 def test_choose_draft_size_trades_acceptance_for_cost(seconds: list[float], scale: float, want: int) -> None:
-    from crest.decoding.sizing import CostModel, choose_draft_size
+    from crest.decoding.policy import choose_draft_size
+    from crest.decoding.sizing import CostModel
 
     chain_weights = np.array([90, 80, 50, 20, 10, 9])
     draft = Draft(np.arange(6), np.arange(-1, 5, dtype=np.int32), chain_weights)

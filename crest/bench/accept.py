@@ -43,7 +43,7 @@ from crest.bench.datastores import (
 from crest.config import KEEP_RULES, IngestOptions, resolve_model_spec
 from crest.decoding.sizing import calibrate
 from crest.drafters.protocol import Drafter, NoneDrafter
-from crest.drafters.registry import NAMES, make_drafter
+from crest.drafters.registry import make_drafter, names
 from crest.drafters.trie import match_path
 from crest.errors import ConfigError, CorpusError
 
@@ -61,7 +61,7 @@ class AcceptOptions:
     fmt: str = "auto"
     prompts: str | None = None
     chat: bool = False
-    drafters: tuple[str, ...] = NAMES
+    drafters: tuple[str, ...] = names("bench")
     percents: tuple[float, ...] = REST_PERCENTS
     top_t: tuple[int, ...] = ()  # empty: chosen to give sizes in REST's range
     keep: tuple[str, ...] = ("count",)  # savings, marginal: also a store per top-t at the count store's bytes
@@ -88,9 +88,10 @@ class AcceptOptions:
             raise ConfigError(f"unknown setting {self.setting!r}: use chat or code")
         if self.setting is None and not (self.corpus and self.prompts):
             raise ConfigError("give --setting chat|code, or --corpus and --prompts")
-        bad = [d for d in self.drafters if d not in NAMES]
+        known = names("bench")
+        bad = [d for d in self.drafters if d not in known]
         if bad or not self.drafters:
-            raise ConfigError(f"unknown drafter(s) {', '.join(bad) or '(none given)'}: use {', '.join(NAMES)}")
+            raise ConfigError(f"unknown drafter(s) {', '.join(bad) or '(none given)'}: use {', '.join(known)}")
         if not self.percents or any(not 0 < p <= 100 for p in self.percents):
             raise ConfigError("--sizes are percentages of the corpus documents in (0, 100]")
         if any(t < 1 for t in (*self.top_t, *self.ablation_top_t)):
@@ -227,7 +228,9 @@ def measure(
     for name in opts.drafters:
         sizes = rest if name == "rest" else crest if name.startswith("crest") else [None]
         keys += [(name, v) for v in sizes]
-    largest = {d: max((v for n, v in keys if n == d and v), key=lambda v: v.nbytes, default=None) for d in NAMES}
+    largest = {
+        d: max((v for n, v in keys if n == d and v), key=lambda v: v.nbytes, default=None) for d in opts.drafters
+    }
     timed = [k for k in keys if k[0] != "none" and opts.timing != "none"]
     timed = [k for k in timed if opts.timing == "all" or k[1] is largest[k[0]]]
     adaptive = opts.max_draft_tokens is None

@@ -2,7 +2,7 @@
 
 The prompts are served in order, greedy; request i may draft only from what requests 0..i-1 taught (with
 `refresh_every` K, from the requests before the last multiple of K). Each finished request teaches its store what
-the server records (`crest.serving.learning.served_tokens`: the prompt's last max-n tokens, then the output), and
+the server records (`crest.learning.requests.served_tokens`: the prompt's last max-n tokens, then the output), and
 the live tier is rebuilt from the last `window` learned tokens with the code `crest.learning.refresh_live` builds a
 live version with (`crest.bench.live_memory`: the same selection, `min_count` filter, `build_trees` and blob
 encoding, on the static version's tokenizer and build options), but kept in memory instead of published: publishing
@@ -32,10 +32,11 @@ import numpy as np
 from crest_client.draft import Draft
 
 from crest.bench.accept import AcceptOptions, _reference_key
-from crest.bench.adaptive import AdaptiveSizer, SizedReplay, estimated_speedup, quiet_cpu_cost, replay_sized
+from crest.bench.adaptive import SizedReplay, estimated_speedup, quiet_cpu_cost, replay_sized
 from crest.bench.live_memory import LiveTrees, learned_window
 from crest.bench.stream import prepare_stream
 from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
+from crest.decoding.policy import DraftPolicy
 from crest.decoding.sizing import CostModel
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
@@ -145,17 +146,17 @@ def stream(
 ) -> dict[str, Any]:
     """Serve the prompts in order, replay every row on each, and learn each finished request; return the figures.
 
-    With `cost`, each row is also replayed with the adaptive size (one sizer per row for the whole stream); with
-    `rest_index`, a REST row drafts from it.
+    With `cost`, each row is also replayed with the adaptive size (one drafting policy per row for the whole
+    stream); with `rest_index`, a REST row drafts from it.
     """
     from crest.drafters.registry import make_drafter
-    from crest.serving.learning import served_tokens
+    from crest.learning.requests import served_tokens
 
     names = (*ROWS, REST_ROW) if rest_index is not None else ROWS
     rest: Drafter | None = make_drafter(REST_ROW, rest_index=rest_index) if rest_index is not None else None
     replays: dict[str, list[SizedReplay]] = {name: [] for name in names}
     sized: dict[str, list[SizedReplay]] = {name: [] for name in names}
-    sizers = {name: AdaptiveSizer(cost) for name in names} if cost is not None else {}
+    sizers = {name: DraftPolicy(budget=opts.max_nodes, cost=cost) for name in names} if cost is not None else {}
     play = partial(
         replay_sized, max_nodes=opts.max_nodes, max_new_tokens=opts.max_new_tokens, max_positions=max_positions
     )
@@ -180,7 +181,7 @@ def stream(
             replays[name].append(r)
             record[name] = round(r.new_tokens / max(1, r.steps), 4)
             if name in sizers:
-                a = play(drafter, ids, ref, sizer=sizers[name])
+                a = play(drafter, ids, ref, policy=sizers[name])
                 sized[name].append(a)
                 record[f"{name} adaptive"] = round(a.new_tokens / max(1, a.steps), 4)
         per_request.append(record)
@@ -341,7 +342,7 @@ def run_learn(
         method=(
             f"M by replay of greedy verification on the plain greedy continuations, trees cut to {opts.max_nodes} "
             "nodes, and cut to the size the generator's adaptive sizing picks under the cost model "
-            f"({'calibrated' if opts.calibrate else 'pinned quiet-CPU curve'}: one sizer per row for the stream); "
+            f"({'calibrated' if opts.calibrate else 'pinned quiet-CPU curve'}: one policy per row for the stream); "
             f"request i drafts from a live tier built from requests 0..i - 1 - (i mod {opts.refresh_every}), "
             "built in memory as refresh_live builds it; live lookups in memory, static ones through the SDK"
         ),

@@ -131,7 +131,7 @@ class _Live:
 
     def learn(self, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Record what a finished request teaches (`served_tokens`: the prompt's last max-n ids, then the output)."""
-        from crest.serving.learning import served_tokens
+        from crest.learning.requests import served_tokens
 
         self.learned.append(served_tokens(prompt, output, max_n=self.max_n)[0])
 

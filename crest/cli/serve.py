@@ -21,7 +21,7 @@ def serve(
     model: Model = "smollm2",
     store: OptionalStore = None,
     drafter: Annotated[
-        str, typer.Option(envvar="CREST_DRAFTER", help="none, prompt, crest or crest+prompt (per request: drafter).")
+        str, typer.Option(envvar="CREST_DRAFTER", help="Default drafter (per request: drafter); see `crest drafters`.")
     ] = "crest+prompt",
     host: Annotated[str, typer.Option(envvar="CREST_HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="CREST_PORT", help="Port to listen on.")] = 8000,
@@ -98,18 +98,16 @@ def run_serve(
     from crest.config import resolve_model_spec
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
+    from crest.drafters.registry import check_drafter
     from crest.errors import ConfigError
     from crest.ingest.tokenizer import load_tokenizer
     from crest.serving.app import create_app
     from crest.serving.batch import check_batchable
-    from crest.serving.engine import SERVED, Engine
+    from crest.serving.engine import Engine
     from crest.serving.learning import LearnOptions
     from crest.serving.scheduler import Scheduler
 
-    if drafter.strip().lower() not in SERVED:
-        raise ConfigError(f"unknown --drafter {drafter!r}: the server drafts with one of {', '.join(SERVED)}")
-    if drafter.strip().lower() in ("crest", "crest+prompt") and not store:
-        raise ConfigError(f"--drafter {drafter} needs --store NAME (or use --drafter prompt)")
+    drafter = check_drafter(drafter, where="serve", store=store)  # before the model loads
     if max_batch < 1 or max_queue < 0 or not 0 < port < 65536:
         raise ConfigError("--max-batch must be >= 1, --max-queue >= 0 and --port in 1..65535")
     if learn_window < 1 or refresh_interval < 0 or refresh_min_tokens < 0:

@@ -7,9 +7,10 @@ are the root's position plus the node's depth. The longest root-to-node path the
 accepted, plus the target's own next token; the accepted path's KV entries are moved into place and the rest
 dropped, with no recomputation. Greedy output equals plain greedy decoding; with sampling, each node's token
 is drawn from the target's processed distribution and the walk follows the child that matches
-(`crest.decoding.sampling`), so the output distribution is the target's own. Draft sizes come from
-`crest.decoding.sizing`. A request is a `DecodeState`; `generate` runs `start`, `prefill`, then `step` (`draft`,
-`verify`, `accept`, `commit`) until the state is done, and `finish`; a scheduler can drive the same steps per row.
+(`crest.decoding.sampling`), so the output distribution is the target's own. What to draft and how much of it
+to verify is `crest.decoding.policy`'s `DraftPolicy`, the policy every loop shares. A request is a `DecodeState`;
+`generate` runs `start`, `prefill`, then `step` (`draft`, `verify`, `accept`, `commit`) until the state is done,
+and `finish`; a scheduler can drive the same steps per row.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from crest_client.draft import Draft, empty_draft
 
 from crest.decoding.cache import compact_cache
 from crest.decoding.models import check_supported
+from crest.decoding.policy import DraftPolicy, room_left
 from crest.decoding.sampling import (
     accept_greedy,
     check_sampling,
@@ -33,19 +35,13 @@ from crest.decoding.sampling import (
     process_logits,
     sample_nodes,
 )
-from crest.decoding.sizing import CostModel, calibrate, choose_draft_size, path_probabilities
+from crest.decoding.sizing import CostModel, calibrate
 from crest.decoding.text import TextTracker
-from crest.decoding.tree import additive_mask, check_draft, limit_depth, tree_inputs, tree_mask
+from crest.decoding.tree import additive_mask, tree_inputs, tree_mask
 from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
-
-
-EXPLORE_EVERY = 16  # steps without a worthwhile draft before one is verified anyway
-
-
-EXPLORE_NODES = 4  # at most this many nodes in such a probe: enough to learn from, cheap to verify
 
 
 @dataclass
@@ -142,14 +138,12 @@ class SpeculativeGenerator:
         self.eos_ids = eos_ids(model, tokenizer)
         self._windows = _mask_windows(config)
         self._cost = cost
-        self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
-        self._idle = 0  # steps since a draft was last verified
-        self._failed_drafters: set[int] = set()
+        self.policy = DraftPolicy(budget=self.draft_budget, adaptive=self.adaptive, cost=self.cost, vocab=self.vocab)
 
     @property
     def acceptance_scale(self) -> float:
         """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
-        return float(np.clip((self._accepted + 0.5) / (self._predicted + 1.0), 0.05, 1.5))
+        return self.policy.acceptance_scale
 
     def cost(self) -> CostModel:
         """Return the forward cost model: the one passed in, else calibrated (cached per model, device, dtype)."""
@@ -241,28 +235,25 @@ class SpeculativeGenerator:
         state.verify_seconds += time.perf_counter() - t1
         state.draft_tokens += len(draft)
         if len(draft):
-            self._accepted = 0.95 * self._accepted + len(slots)
-            self._predicted = 0.95 * self._predicted + predicted
+            self.policy.observe(accepted=len(slots), predicted=predicted)
         self.commit(state, new, slots)
 
     def draft(self, state: DecodeState, drafter: Drafter | None) -> tuple[Draft, float]:
-        """Return the draft to verify this step, cut to the room left, and its weight-predicted accepted nodes."""
-        # a path of depth d needs positions up to past + d and emits d + 1 tokens
-        room = min(self.max_positions - len(state.context) - 1, state.max_new_tokens - len(state.out) - 1)
-        if drafter is None or room <= 0 or self.draft_budget <= 0:
+        """Return the draft to verify this step (cut to the room left and sized) and its expected accepted nodes."""
+        if drafter is None or self.policy.skip(1):
             return empty_draft(), 0.0
-        try:
-            draft = drafter.draft(state.context, self.draft_budget)
-            if draft is None or len(draft) == 0:
-                return empty_draft(), 0.0
-            check_draft(draft, self.vocab)
-        except Exception as exc:  # a failing drafter costs a step's draft, never the generation
-            self._warn_once(drafter, f"{type(exc).__name__}: {exc}")
-            return empty_draft(), 0.0
-        draft = limit_depth(draft.truncate(self.draft_budget), room)
-        size = self._draft_size(draft) if self.adaptive else len(draft)
-        predicted = float(path_probabilities(draft)[:size].sum())  # normalised over the whole draft
-        return draft.truncate(size), predicted
+        draft = self.policy.draft(drafter, state.context, room=self.room(state))
+        sized, predicted = self.policy.size([draft])
+        return sized[0], predicted
+
+    def room(self, state: DecodeState) -> int:
+        """Return the deepest draft path the request's next step may verify."""
+        return room_left(
+            context_length=len(state.context),
+            generated=len(state.out),
+            max_new_tokens=state.max_new_tokens,
+            max_positions=self.max_positions,
+        )
 
     @torch.no_grad()
     def verify(self, state: DecodeState, draft: Draft) -> tuple[torch.Tensor, list[dict[int, int]]]:
@@ -327,21 +318,6 @@ class SpeculativeGenerator:
             seconds=seconds,
             prefill_seconds=state.prefill_seconds,
         )
-
-    def _draft_size(self, draft: Draft) -> int:
-        """Return how many of the draft's nodes pay for their verification (adaptive sizing)."""
-        size = choose_draft_size(draft, self.cost(), acceptance_scale=self.acceptance_scale)
-        self._idle = 0 if size else self._idle + 1
-        if not size and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY):
-            # without verified drafts the acceptance estimate cannot learn: now and then trust the weights
-            trusted = choose_draft_size(draft, self.cost(), acceptance_scale=1.0)
-            size, self._idle = max(1, min(trusted, EXPLORE_NODES)), 0
-        return size
-
-    def _warn_once(self, drafter: Drafter, message: str) -> None:
-        if id(drafter) not in self._failed_drafters:
-            self._failed_drafters.add(id(drafter))
-            log.warning("drafter %s: %s (no draft this step)", type(drafter).__name__, message)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, masks: dict[str, torch.Tensor], cache: Any) -> Any:
         mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))

@@ -1,12 +1,9 @@
-"""Draft size that fits the hardware: a measured forward cost per tree size and the best prefix of a draft.
+"""Draft size that fits the hardware: a measured forward cost per tree size, calibrated once and cached.
 
 A forward of k tree tokens on top of a KV cache costs about the same for small k on a GPU and grows
 roughly linearly on a CPU, so the best draft size depends on the device. `calibrate` measures the cost
 curve once per model, device, dtype and torch thread count, and keeps it in `$CREST_HOME/calibration/`
-so that later runs load it instead of measuring again; `choose_draft_size` estimates each node's
-acceptance probability from the draft's weights (products of weight / parent-weight ratios along the
-path, scaled by an observed correction) and keeps the prefix slice that maximises expected new tokens
-per second: (1 + sum of the prefix's path probabilities) / cost(k + 1).
+so that later runs load it instead of measuring again; `crest.decoding.policy` sizes drafts on it.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from crest_client.draft import Draft, path_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -176,19 +172,3 @@ def measure_costs(model: Any, *, sizes: Sequence[int], context: int, repeats: in
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def choose_draft_size(draft: Draft, cost: CostModel, *, acceptance_scale: float = 1.0) -> int:
-    """Return the prefix size k that maximises expected new tokens per second for this draft (0: no draft)."""
-    if len(draft) == 0:
-        return 0
-    gain = np.cumsum(acceptance_scale * path_probabilities(draft))  # [T] expected accepted nodes of each prefix
-    k = np.arange(1, len(draft) + 1)
-    rate = (1.0 + gain) / cost(k + 1)
-    best = int(np.argmax(rate))
-    return int(k[best]) if rate[best] > 1.0 / float(cost(1)) else 0
-
-
-def expected_accepted(draft: Draft) -> float:
-    """Return the weight-predicted number of accepted nodes of the whole draft."""
-    return float(path_probabilities(draft).sum())

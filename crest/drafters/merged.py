@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from crest_client.draft import Draft
 
-from crest.drafters.protocol import Drafter
+from crest.drafters.protocol import Drafter, drafted_parts
 from crest.drafters.trie import merge_drafts, score_draft
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,14 @@ class MergedDrafter:
         """Return each part's tree of the call for a context of this length (None when the last call was not it)."""
         last = self._last
         return last[2] if last is not None and last[0] == context_length else None
+
+    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+        """Return both drafters' parts behind the merged tree drafted for a context of this length."""
+        trees = self.last_trees(context_length)
+        found: dict[str, Draft] = {}
+        for part, part_tree in zip((self.primary, self.secondary), trees or (), strict=False):
+            found.update(drafted_parts(part, part_tree, context_length=context_length))
+        return found
 
     def _learn(self, context_ids: Sequence[int]) -> None:
         """Score the last call's trees against the tokens appended since, when the context grew from it."""

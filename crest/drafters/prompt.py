@@ -54,6 +54,10 @@ class PromptDrafter:
         tree = build_draft(rows, tree_size=max_nodes, n=best)
         return tree if len(tree) else None
 
+    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+        """Return the one part behind this drafter's tree: the prompt."""
+        return {"prompt": tree} if tree is not None and len(tree) else {}
+
     def _sync(self, context_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Return the context as an int64 array, reusing the buffer when it extends the last context."""
         ids = context_ids if isinstance(context_ids, list) else np.asarray(context_ids).reshape(-1).tolist()

@@ -1,7 +1,9 @@
 """The drafter protocol: anything with `draft(context_ids, max_nodes) -> Draft | None`, and the drafter of nothing.
 
 The verifier, the benchmarks and the merged drafter depend on this protocol only. `NoneDrafter` drafts nothing,
-so plain decoding runs through the same loop as speculative decoding.
+so plain decoding runs through the same loop as speculative decoding. A drafter may also report the named parts
+behind its last draft (`drafted_parts`: the static and live tiers of a store, the prompt), which learning counts
+per part; a drafter without that method has no parts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ class Drafter(Protocol):
     """Anything that proposes a draft tree for a context."""
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None: ...
+
+
+def drafted_parts(drafter: object, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+    """Return the named parts' trees behind `tree`, the drafter's draft for a context of this length."""
+    report = getattr(drafter, "drafted_parts", None)
+    return dict(report(tree, context_length=context_length)) if report is not None else {}
 
 
 class NoneDrafter:

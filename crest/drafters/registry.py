@@ -1,11 +1,13 @@
-"""The one registry of drafter names: `none`, `prompt`, `rest`, `crest`, `crest+prompt`.
+"""The one registry of drafter names: `none`, `prompt`, `rest`, `crest`, `crest+prompt`, and any `register`ed.
 
-Each name maps to the part it needs (nothing, a store, or a REST index) and a builder taking that part once
-open. `check_drafter` checks a name and the names of its parts without opening anything, so a command can
-refuse bad options before it loads a model; `make_drafter` builds a drafter on parts already open (a
-benchmark's store handles and indexes); `open_drafter` opens the part first (a store through the SDK, which
-drafts nothing while the database is down, or a REST index from disk). Every command and benchmark goes
-through here.
+Each name is a `Kind`: the parts it is built on (nothing, a store, or a REST index), where it may run
+(`generate`, `serve` per request, `bench`, the `vllm` proposer) and a builder taking those parts once open.
+`check_drafter` checks a name, where it runs and the names of its parts without opening anything, so a command
+can refuse bad options before it loads a model; `make_drafter` builds a drafter on parts already open (a
+benchmark's store handles, a server's per-row store lease); `open_drafter` opens the parts first (a store
+through the SDK, which drafts nothing while the database is down, or a REST index from disk). Every command,
+benchmark, the server and the vLLM proposer go through here, so a new drafter is one `register` call; the
+parts a drafter reports for learning's statistics come from the drafter itself (`drafted_parts`).
 """
 
 from __future__ import annotations
@@ -24,46 +26,93 @@ from crest.drafters.store import CONNECT_TIMEOUT, RETRY_INTERVAL, StoreDrafter, 
 from crest.drafters.suffix_array import RestDrafter, RestIndex, check_rest_index
 from crest.errors import ConfigError
 
+WHERE = ("generate", "serve", "bench", "vllm")  # the places a drafter may run
+
 
 @dataclass(frozen=True)
-class _Kind:
-    """What a drafter name needs and how it is built from that part."""
+class Kind:
+    """A drafter name: the parts it is built on, where it may run, and how it is built from those parts opened."""
 
-    part: str | None  # "store", "rest_index" or None
-    build: Callable[[Any], Drafter]
+    name: str
+    needs: tuple[str, ...]  # parts, each a key of NEEDS: "store", "rest_index"
+    build: Callable[[dict[str, Any]], Drafter]  # {need: opened part} -> drafter
+    runs: frozenset[str] = frozenset(WHERE)  # where it may run: generate, serve (per request), bench, vllm
+    summary: str = ""  # one line for --help
 
 
-_KINDS = {
-    "none": _Kind(None, lambda _: NoneDrafter()),
-    "prompt": _Kind(None, lambda _: PromptDrafter()),
-    "rest": _Kind("rest_index", RestDrafter),
-    "crest": _Kind("store", StoreDrafter),
-    "crest+prompt": _Kind("store", lambda store: MergedDrafter(StoreDrafter(store), PromptDrafter())),
-}
-
-NAMES = tuple(_KINDS)
-
-_NEEDS = {
+NEEDS = {  # what each part is, as an option that gives it
     "store": "--store NAME",
     "rest_index": "--rest-index DIR (build one with `crest rest-index build`)",
 }
 
+_KINDS: dict[str, Kind] = {}
 
-def check_drafter(name: str, *, store: str | None = None, rest_index: str | Path | None = None) -> str:
-    """Return the drafter's canonical name once it and the part it needs are given; raise ConfigError if not.
+
+def register(kind: Kind) -> None:
+    """Add a drafter name (ConfigError if the name is taken or it needs a part the registry cannot open)."""
+    unknown = [need for need in kind.needs if need not in NEEDS]
+    if kind.name in _KINDS or unknown or not set(kind.runs) <= set(WHERE):
+        raise ConfigError(f"cannot register drafter {kind.name!r}: taken, or unknown parts {unknown} or places")
+    _KINDS[kind.name] = kind
+
+
+def names(where: str | None = None) -> tuple[str, ...]:
+    """Return the drafter names, in registration order; with `where`, those that may run there."""
+    return tuple(name for name, kind in _KINDS.items() if where is None or where in kind.runs)
+
+
+def kind_of(name: str) -> Kind:
+    """Return the registered kind called `name` (case and spaces ignored; ConfigError if there is none)."""
+    return _kind(name)[1]
+
+
+def describe(where: str | None = None) -> str:
+    """Return the drafter names that may run at `where` for a help text: "none, prompt, ... or crest+prompt"."""
+    found = names(where)
+    return ", ".join(found[:-1]) + (" or " if len(found) > 1 else "") + found[-1]
+
+
+register(Kind("none", (), lambda _: NoneDrafter(), summary="no draft: plain decoding"))
+register(Kind("prompt", (), lambda _: PromptDrafter(), summary="prompt lookup in the request's own text"))
+register(
+    Kind(
+        "rest",
+        ("rest_index",),
+        lambda parts: RestDrafter(parts["rest_index"]),
+        runs=frozenset({"generate", "bench"}),  # an index in one process's memory: not per request or in vLLM
+        summary="REST over a suffix array of a corpus",
+    )
+)
+register(Kind("crest", ("store",), lambda parts: StoreDrafter(parts["store"]), summary="the store's tree"))
+register(
+    Kind(
+        "crest+prompt",
+        ("store",),
+        lambda parts: MergedDrafter(StoreDrafter(parts["store"]), PromptDrafter()),
+        summary="the store's tree merged with prompt lookup",
+    )
+)
+
+NAMES = names()  # every drafter registered by crest itself
+
+
+def check_drafter(
+    name: str, *, where: str | None = None, store: str | None = None, rest_index: str | Path | None = None
+) -> str:
+    """Return the drafter's canonical name once it may run `where` and its parts are given; raise ConfigError if not.
 
     Opens nothing: the store name must be an identifier (InvalidName otherwise) and the REST index a directory
     holding one.
     """
-    key, kind = _kind(name)
-    if kind.part == "store":
-        if not store:
-            raise _missing(key, kind)
-        check_store_name(store)
-    elif kind.part == "rest_index":
-        if not rest_index:
-            raise _missing(key, kind)
-        check_rest_index(rest_index)
+    key, kind = _kind(name, where)
+    given = {"store": store, "rest_index": rest_index}
+    for need in kind.needs:
+        if not given[need]:
+            raise _missing(key, need)
+    if "store" in kind.needs:
+        check_store_name(str(store))
+    if "rest_index" in kind.needs:
+        check_rest_index(str(rest_index))
     return key
 
 
@@ -74,12 +123,15 @@ def make_drafter(name: str, *, store: Any = None, rest_index: Any = None) -> Dra
     directory of a saved one. A part the drafter does not need is ignored.
     """
     key, kind = _kind(name)
-    part = {"store": store, "rest_index": rest_index}.get(kind.part or "")
-    if kind.part is not None and part is None:
-        raise _missing(key, kind)
-    if kind.part == "rest_index" and isinstance(part, str | Path):
-        part = RestIndex.load(part)
-    return kind.build(part)
+    given = {"store": store, "rest_index": rest_index}
+    parts: dict[str, Any] = {}
+    for need in kind.needs:
+        if given[need] is None:
+            raise _missing(key, need)
+        parts[need] = given[need]
+    if isinstance(parts.get("rest_index"), str | Path):
+        parts["rest_index"] = RestIndex.load(parts["rest_index"])
+    return kind.build(parts)
 
 
 def open_drafter(
@@ -100,24 +152,24 @@ def open_drafter(
     """
     key = check_drafter(name, store=store, rest_index=rest_index)
     kind = _KINDS[key]
-    part = None
-    if kind.part == "store":
-        assert store is not None  # checked above
-        part = open_store(
-            store, dsn=dsn, fingerprint=fingerprint, connect_timeout=connect_timeout, retry_interval=retry_interval
+    parts: dict[str, Any] = {}
+    if "store" in kind.needs:
+        parts["store"] = open_store(
+            str(store), dsn=dsn, fingerprint=fingerprint, connect_timeout=connect_timeout, retry_interval=retry_interval
         )
-    elif kind.part == "rest_index":
-        assert rest_index is not None
-        part = RestIndex.load(rest_index)
-    return kind.build(part)
+    if "rest_index" in kind.needs:
+        parts["rest_index"] = RestIndex.load(str(rest_index))
+    return kind.build(parts)
 
 
-def _kind(name: str) -> tuple[str, _Kind]:
+def _kind(name: str, where: str | None = None) -> tuple[str, Kind]:
     key = (name or "").strip().lower()
-    if key not in _KINDS:
-        raise ConfigError(f"unknown drafter {name!r}: use one of {', '.join(NAMES)}")
-    return key, _KINDS[key]
+    kind = _KINDS.get(key)
+    if kind is None or (where is not None and where not in kind.runs):
+        at = f" here ({where})" if where is not None and kind is not None else ""
+        raise ConfigError(f"unknown drafter {name!r}{at}: use one of {', '.join(names(where))}")
+    return key, kind
 
 
-def _missing(key: str, kind: _Kind) -> ConfigError:
-    return ConfigError(f"--drafter {key} needs {_NEEDS[kind.part or '']}")
+def _missing(key: str, need: str) -> ConfigError:
+    return ConfigError(f"--drafter {key} needs {NEEDS[need]}")

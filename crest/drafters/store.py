@@ -30,11 +30,13 @@ from crest.errors import CrestClientError
 log = logging.getLogger(__name__)
 
 
-_STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # OSError covers socket errors and TimeoutError
+STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # what a lookup may raise; OSError: sockets, timeouts
 
 CONNECT_TIMEOUT = 1.5  # seconds an attempt to reach the database may take, at start and on each retry
 
 RETRY_INTERVAL = 5.0  # seconds between attempts to reach a database that was down
+
+TIERS = ("static", "live")  # the parts of a store's draft, in `draft_parts` order
 
 
 class StoreDrafter:
@@ -56,10 +58,13 @@ class StoreDrafter:
                 return _usable(tree, max_nodes)
         return self._tiers.draft(context_ids, max_nodes)
 
-    def drafted_tiers(self, context_length: int, tree: Draft | None) -> list[Draft | None]:
-        """Return the [static, live] trees behind `tree`, what this drafter drafted for a context of this length."""
+    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+        """Return the static and live trees behind `tree`, what this drafter drafted for a context of this length."""
+        if tree is None or len(tree) == 0:
+            return {}
         merged = self._tiers.last_trees(context_length)
-        return merged if merged is not None else [tree, None]  # no live tier: the static tree itself
+        tiers = merged if merged is not None else [tree, None]  # no live tier: the static tree itself
+        return {name: t for name, t in zip(TIERS, tiers, strict=True) if t is not None and len(t)}
 
     def parts(self, context_ids: Sequence[int], max_nodes: int) -> list[Draft | None]:
         """Return [static, live] trees for the context, looked up once per context."""
@@ -72,7 +77,7 @@ class StoreDrafter:
     def _call(self, lookup: Callable[[], Any]) -> Any:
         try:
             return lookup()
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             self.failures += 1
             level = logging.WARNING if self.failures == 1 else logging.DEBUG
             log.log(level, "store draft failed, no draft this step (logged once): %s", exc)

@@ -292,6 +292,10 @@ class RestDrafter:
         self.tree_size = tree_size
         self.spread = spread
 
+    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+        """Return the one part behind this drafter's tree: the REST index."""
+        return {"rest": tree} if tree is not None and len(tree) else {}
+
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         """Return the trie of the continuations of the longest matching context suffix, or None."""
         size = min(max_nodes, self.tree_size)

@@ -177,7 +177,7 @@ async def _serve(engine: Engine, body: Any, prompt: list[int], request: Request,
         )
     )
     try:
-        future = engine.submit(job, store=body.store, learn=body.learn)
+        future = engine.submit(job, learn=body.learn)
     except QueueFull as exc:
         raise ApiError(429, str(exc), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
     except ShuttingDown as exc:

@@ -20,19 +20,17 @@ from typing import Any
 from crest_client.draft import Draft
 from crest_client.learner import Learner
 
+from crest.drafters.lease import StoreLease
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.registry import NAMES, check_drafter, make_drafter
+from crest.drafters.registry import check_drafter, kind_of, make_drafter, names
 from crest.drafters.store import RETRY_INTERVAL, open_store
 from crest.errors import ConfigError, ModelError
-from crest.serving.drafting import StoreLease
-from crest.serving.learning import LearnOptions, Refresher, record_outcome, server_source, store_max_n
+from crest.learning.requests import record_outcome, store_max_n
+from crest.serving.learning import LearnOptions, Refresher, server_source
 from crest.serving.scheduler import Outcome, Request, Scheduler
 
 log = logging.getLogger(__name__)
-
-SERVED = tuple(name for name in NAMES if name != "rest")  # drafters a request may name
-
 
 class PredictionDrafter:
     """Drafts from a predicted output: its start before any output, else after the output's suffix within it."""
@@ -78,7 +76,7 @@ class Engine:
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.default_store, self.dsn, self.fingerprint = store, dsn, fingerprint
         self.read_dsn = read_dsn or dsn  # lookups (a replica); learning writes to `dsn`
-        self.default_drafter = drafter if store or drafter in ("none", "prompt") else "prompt"
+        self.default_drafter = drafter if store or not kind_of(drafter).needs else "prompt"
         self._stores: dict[str, Any] = {}
         self._learners: dict[str, Learner] = {}
         self.refresher: Refresher | None = None
@@ -130,12 +128,15 @@ class Engine:
                 found = self._stores[name] = open_store(
                     name, dsn=self.read_dsn, fingerprint=self.fingerprint, retry_interval=self.retry_interval
                 )
-                if self.learning is not None and self.learning.record:
+                if self._records():
                     try:
                         self._learners[name] = self._new_learner(name)
                     except Exception as exc:  # no learning for this store, drafting goes on
                         log.warning("store %r will not learn: %s", name, exc)
             return found
+
+    def _records(self) -> bool:
+        return self.learning is not None and self.learning.record
 
     def opened(self) -> list[str]:
         """Return the names of the stores opened so far."""
@@ -147,10 +148,10 @@ class Engine:
         with self._lock:
             return self._learners.get(name)
 
-    def submit(self, job: Request, *, store: str | None = None, learn: bool = True) -> Future[Outcome]:
+    def submit(self, job: Request, *, learn: bool = True) -> Future[Outcome]:
         """Queue a request (QueueFull, ShuttingDown); once finished it teaches its store when learning is on."""
         future = self.scheduler.submit(job)
-        name = store or self.default_store
+        name = job.store
         learner = self.learner(name) if learn and name else None
         if learner is not None and name is not None:
             max_n = store_max_n(self._stores.get(name))
@@ -185,26 +186,31 @@ class Engine:
         **options: Any,
     ) -> Request:
         """Return the scheduler request with its drafter (and store leases) for these options."""
-        name = (drafter or self.default_drafter).strip().lower()
-        if name not in SERVED:
-            raise ConfigError(f"unknown drafter {drafter!r}: this server drafts with one of {', '.join(SERVED)}")
-        store_name = store or self.default_store
-        if name in ("crest", "crest+prompt") and not store_name:
-            raise ConfigError(f'drafter {name!r} needs a store: give "store" or start the server with --store')
-        check_drafter(name, store=store_name or None)
+        name, store_name = self.check_drafter(drafter, store)
         leases: list[StoreLease] = []
-        part = None
-        if name in ("crest", "crest+prompt"):
-            assert store_name is not None  # checked above
-            lease = StoreLease(self.store(store_name))
-            leases.append(lease)
-            part = lease
-        base = make_drafter(name, store=part) if name != "none" else None
+        if store_name is not None and ("store" in kind_of(name).needs or self._records()):
+            opened = self.store(store_name)  # also for a request that only teaches its store
+            if "store" in kind_of(name).needs:
+                leases.append(StoreLease(opened))
+        base = make_drafter(name, store=leases[0] if leases else None) if name != "none" else None
         if prediction:
             ids = [int(t) for t in self.tokenizer.encode(prediction, add_special_tokens=False)]
             predicted = PredictionDrafter(ids, len(prompt))
             base = predicted if base is None else MergedDrafter(base, predicted)
-        return Request(prompt, drafter=base, leases=leases, **options)
+        return Request(prompt, drafter=base, leases=leases, store=store_name, **options)
+
+    def check_drafter(self, drafter: str | None, store: str | None) -> tuple[str, str | None]:
+        """Return a request's drafter and its store (given, else the server's; None: none); ConfigError if bad."""
+        requested = drafter or self.default_drafter
+        served = names("serve")
+        kind = kind_of(requested) if requested.strip().lower() in served else None
+        if kind is None:
+            raise ConfigError(f"unknown drafter {requested!r}: this server drafts with one of {', '.join(served)}")
+        store_name = store or self.default_store
+        if "store" in kind.needs and not store_name:
+            raise ConfigError(f'drafter {kind.name!r} needs a store: give "store" or start the server with --store')
+        check_drafter(kind.name, where="serve", store=store_name)
+        return kind.name, store_name
 
     def _new_learner(self, name: str) -> Learner:
         assert self.learning is not None

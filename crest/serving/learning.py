@@ -1,15 +1,10 @@
 """Learning in the server: what a finished request teaches its store, and the thread that refreshes live tiers.
 
-A finished request (not cancelled, not failed) whose store the server has opened teaches that store its
-prompt's last max-n tokens (the context its first output tokens followed) and its output, written by the
-store's `crest_client.learner.Learner` off the decoding path (`record_outcome`). A `Refresher` thread calls
-`crest.learning.refresh_live` for every opened store every `refresh_interval` seconds, so what any server on
-the database learned becomes every server's live drafts; its failures are counted and logged once per kind,
-never raised. Learning changes drafts only, never the output: verification keeps it exact.
-
-Each learned row also says how its request went (`request_stats`): target forwards, new tokens, verified and
-accepted draft nodes, and how many accepted tokens each part's tree held before the parts were merged
-(`tally_parts`, once per step from the trees the drafters kept: the static tier, the live tier, the prompt).
+A finished request (not cancelled, not failed) whose store the server has opened teaches that store what
+`crest.learning.requests` says it teaches, through the store's `crest_client.learner.Learner`. A `Refresher`
+thread calls `crest.learning.refresh_live` for every opened store every `refresh_interval` seconds, so what
+any server on the database learned becomes every server's live drafts; its failures are counted and logged
+once per kind, never raised. Learning changes drafts only, never the output: verification keeps it exact.
 """
 
 from __future__ import annotations
@@ -18,29 +13,18 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
-from crest_client.draft import Draft
-from crest_client.learner import Learner
 from crest_client.names import resolve_dsn
 
-from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
-from crest.drafters.merged import MergedDrafter
-from crest.drafters.prompt import PromptDrafter
-from crest.drafters.store import StoreDrafter
+from crest.config import DEFAULT_LEARN_WINDOW
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_INTERVAL = 10.0  # seconds between refreshes of the live tiers
 
 DEFAULT_REFRESH_MIN_TOKENS = 2048  # learned tokens a refresh waits for before it rebuilds a live tier
-
-
-PARTS = ("static", "live", "prompt")  # the parts of a crest draft whose accepted tokens a learned row counts
 
 
 @dataclass(frozen=True)
@@ -58,85 +42,6 @@ class LearnOptions:
 def server_source() -> str:
     """Return this server's id for the `source` of the rows it writes (host and process)."""
     return f"serve@{socket.gethostname()}:{os.getpid()}"
-
-
-def store_max_n(store: Any, *, default: int = IngestOptions().max_n) -> int:
-    """Return the longest n-gram an opened store keys on (a store still connecting: the ingest default)."""
-    inner = getattr(store, "store", None) or store  # a PendingStore once its database answered
-    return int(getattr(getattr(inner, "info", None), "max_n", default))
-
-
-def served_tokens(prompt: Sequence[int], output: Sequence[int], *, max_n: int) -> tuple[list[int], int]:
-    """Return the ids a finished request teaches (the prompt's last max_n, then the output) and that tail's length."""
-    tail = [int(t) for t in prompt[max(0, len(prompt) - max_n) :]] if max_n > 0 else []
-    return tail + [int(t) for t in output], len(tail)
-
-
-def drafted_parts(drafter: Any, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
-    """Return the parts' trees behind `tree`, the drafter's draft for a context of this length, by part name."""
-    if isinstance(drafter, MergedDrafter):
-        trees = drafter.last_trees(context_length)
-        if trees is None:  # it did not draft for this context
-            return {}
-        found: dict[str, Draft] = {}
-        for part, part_tree in zip((drafter.primary, drafter.secondary), trees, strict=True):
-            found.update(drafted_parts(part, part_tree, context_length=context_length))
-        return found
-    if tree is None or len(tree) == 0:
-        return {}
-    if isinstance(drafter, StoreDrafter):
-        tiers = zip(("static", "live"), drafter.drafted_tiers(context_length, tree), strict=True)
-        return {name: t for name, t in tiers if t is not None and len(t)}
-    if isinstance(drafter, PromptDrafter):
-        return {"prompt": tree}
-    return {}  # a predicted output, or a drafter that is not a part of crest's
-
-
-def path_length(tree: Draft, tokens: Sequence[int]) -> int:
-    """Return how many leading `tokens` the tree holds as one path from its root."""
-    at = -1
-    for depth, token in enumerate(tokens):
-        hit = np.flatnonzero((tree.parents == at) & (tree.tokens == token))  # a trie: one child per token
-        if hit.size == 0:
-            return depth
-        at = int(hit[0])
-    return len(tokens)
-
-
-def tally_parts(
-    counts: dict[str, int], drafter: Any, verified: Draft, *, context_length: int, accepted: Sequence[int]
-) -> None:
-    """Add to `counts` how many of a step's accepted draft tokens each part's tree held along the accepted path."""
-    if not accepted:
-        return
-    try:
-        for name, tree in drafted_parts(drafter, verified, context_length=context_length).items():
-            counts[name] = counts.get(name, 0) + path_length(tree, accepted)
-    except Exception as exc:  # a figure that cannot be counted must never fail the step
-        log.debug("counting accepted tokens per part failed: %s", exc)
-
-
-def request_stats(outcome: Any) -> dict[str, int]:
-    """Return a finished request's figures for its learned row (`crest_client.learner.STATS`)."""
-    result, parts = outcome.result, getattr(outcome, "accepted_parts", {})
-    return {
-        "steps": int(result.forward_passes),
-        "new_tokens": len(result.output_token_ids),
-        "draft_tokens": int(outcome.accepted_draft_tokens + outcome.rejected_draft_tokens),
-        "accepted_tokens": int(outcome.accepted_draft_tokens),
-        **{f"accepted_{name}": int(parts.get(name, 0)) for name in PARTS},
-    }
-
-
-def record_outcome(learner: Learner, future: Future[Any], *, max_n: int) -> None:
-    """Queue a finished request's tokens and figures into its store's learner; a cancelled or failed one: nothing."""
-    if future.cancelled() or future.exception() is not None:
-        return
-    outcome = future.result()
-    if outcome.cancelled or not outcome.result.output_token_ids:
-        return
-    ids, prompt_tokens = served_tokens(outcome.result.prompt_token_ids, outcome.result.output_token_ids, max_n=max_n)
-    learner.learn(ids, prompt_tokens=prompt_tokens, stats=request_stats(outcome))
 
 
 class Refresher:

@@ -29,24 +29,13 @@ from crest_client.draft import Draft, empty_draft
 from crest.decoding.generator import DecodeState, GenerationResult, SpeculativeGenerator
 from crest.decoding.sampling import accept_greedy, children_of
 from crest.decoding.sizing import CostModel
-from crest.decoding.tree import check_draft, limit_depth
+from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.protocol import Drafter
 from crest.errors import CrestError
+from crest.learning.requests import tally_parts
 from crest.serving.batch import BatchCache, TreeRow
-from crest.serving.drafting import (
-    EXPLORE_EVERY,
-    EXPLORE_NODES,
-    StepCost,
-    StoreLease,
-    batch_draft_sizes,
-    expected_nodes,
-    prefetch,
-)
-from crest.serving.learning import tally_parts
 
 log = logging.getLogger(__name__)
-
-MAX_BACKOFF = 8  # at most this many steps without drafting after tries at one batch size that did not pay
 
 
 class QueueFull(CrestError):
@@ -70,6 +59,7 @@ class Request:
     stop: Sequence[str] = ()
     drafter: Drafter | None = None
     leases: Sequence[StoreLease] = ()  # the store views inside `drafter`, filled once per step for the batch
+    store: str | None = None  # the store the request belongs to: it drafts from it and, learning, teaches it
     on_text: Callable[[str], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -93,7 +83,6 @@ class _Row:
     state: DecodeState
     future: Future[Outcome]
     accepted: int = 0
-    failed_drafter: bool = False
     parts: dict[str, int] = field(default_factory=dict)  # accepted tokens per drafter part (`tally_parts`)
 
 
@@ -120,11 +109,13 @@ class Scheduler:
     ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise CrestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
-        self.gen = SpeculativeGenerator(model, tokenizer, max_draft_tokens=max_draft_tokens, cost=cost)
+        self.gen = SpeculativeGenerator(
+            model, tokenizer, max_draft_tokens=max_draft_tokens, draft_budget=draft_budget, cost=cost
+        )
+        self.policy = self.gen.policy  # the generator's drafting policy, applied to the whole batch
         self.batch = BatchCache(model)
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.budget = max_draft_tokens if max_draft_tokens is not None else draft_budget
-        self.adaptive = max_draft_tokens is None
+        self.budget = self.policy.budget
         self.metrics = metrics
         self._inbox: queue.Queue[_Row] = queue.Queue()
         self._waiting: deque[_Row] = deque()
@@ -133,11 +124,7 @@ class Scheduler:
         self._queued = 0  # submitted, not yet admitted
         self._wake = threading.Event()
         self._closing = False
-        self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
-        self._idle = 0
-        self._backoff = self._skip = self._skip_rows = 0  # steps to draft nothing after a try that did not pay
         self._ids = itertools.count()
-        self._costs: StepCost | None = None  # made on the first drafted step (calibrating the model)
         self._observe_costs = cost is None  # a given cost model is taken as it is (tests pin the sizes with one)
 
     @property
@@ -153,7 +140,7 @@ class Scheduler:
     @property
     def acceptance_scale(self) -> float:
         """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
-        return float(min(1.5, max(0.05, (self._accepted + 0.5) / (self._predicted + 1.0))))
+        return self.policy.acceptance_scale
 
     def submit(self, request: Request) -> Future[Outcome]:
         """Check and queue a request; raise ConfigError/ModelError on bad input, QueueFull, or ShuttingDown."""
@@ -274,11 +261,10 @@ class Scheduler:
                 tally_parts(row.parts, row.request.drafter, drafts[r], context_length=len(row.state.context),
                             accepted=new[: len(slots)])  # fmt: skip
         self.batch.commit(accepted)
-        if self._costs is not None:
-            self._costs.observe(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
+        if self._observe_costs:
+            self.policy.observe_cost(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
         if any(len(d) for d in drafts):
-            self._accepted = 0.95 * self._accepted + sum(len(a) for a in accepted)
-            self._predicted = 0.95 * self._predicted + predicted
+            self.policy.observe(accepted=sum(len(a) for a in accepted), predicted=predicted)
         seconds = time.perf_counter() - t1
         done: list[int] = []
         for r, row in enumerate(self._rows):
@@ -303,53 +289,16 @@ class Scheduler:
     def _draft(self) -> tuple[list[Draft], float]:
         """Return each row's draft, cut to its room and sized for the batch, and the expected accepted nodes."""
         rows = self._rows
-        room = [self._room(row.state) for row in rows]
-        if self.budget <= 0:
-            return [empty_draft() for _ in rows], 0.0
-        if self.adaptive and self._skip > 0 and len(rows) == self._skip_rows:
-            # drafting did not pay on the last tries at this batch size: spare the drafters' own time too
-            self._skip -= 1
-            self._idle += 1
+        if self.budget <= 0 or self.policy.skip(len(rows)):
+            # nothing to draft, or drafting did not pay on the last tries at this batch size: spare the drafters
             return [empty_draft() for _ in rows], 0.0
         leases = [(lease, row.state.context) for row in rows for lease in row.request.leases]
         if leases:
             prefetch([lease for lease, _ in leases], [ctx for _, ctx in leases], max_nodes=self.budget)
-        drafts = [self._row_draft(row, n) for row, n in zip(rows, room, strict=True)]
-        if not self.adaptive or not any(len(d) for d in drafts):
-            return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
-        scale = self.acceptance_scale
-        if self._costs is None and self._observe_costs:
-            self._costs = StepCost(self.gen.cost())
-        sizes = batch_draft_sizes(drafts, self._costs or self.gen.cost(), acceptance_scale=scale)
-        self._idle = 0 if any(sizes) else self._idle + 1
-        self._backoff = 0 if any(sizes) else min(MAX_BACKOFF, max(1, 2 * self._backoff))
-        self._skip, self._skip_rows = self._backoff, len(rows)
-        if not any(sizes) and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(rows)):
-            # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
-            # often as the batch grows, since every row then pads to the probe's width)
-            sizes, self._idle = [min(len(d), EXPLORE_NODES) for d in drafts], 0
-        predicted = sum(expected_nodes(d, k) for d, k in zip(drafts, sizes, strict=True))
-        return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], predicted
-
-    def _row_draft(self, row: _Row, room: int) -> Draft:
-        drafter = row.request.drafter
-        if drafter is None or room <= 0:
-            return empty_draft()
-        try:
-            draft = drafter.draft(row.state.context, self.budget)
-            if draft is None or len(draft) == 0:
-                return empty_draft()
-            check_draft(draft, self.gen.vocab)
-        except Exception as exc:  # a failing drafter costs this row its draft, never the request
-            if not row.failed_drafter:
-                row.failed_drafter = True
-                log.warning("drafter %s: %s: %s (no draft)", type(drafter).__name__, type(exc).__name__, exc)
-            return empty_draft()
-        return limit_depth(draft.truncate(self.budget), room)
-
-    def _room(self, state: DecodeState) -> int:
-        # a path of depth d needs positions up to past + d and emits d + 1 tokens
-        return min(self.gen.max_positions - len(state.context) - 1, state.max_new_tokens - len(state.out) - 1)
+        drafts = [
+            self.policy.draft(row.request.drafter, row.state.context, room=self.gen.room(row.state)) for row in rows
+        ]
+        return self.policy.size(drafts)
 
     def _remove(self, indices: list[int]) -> None:
         if not indices:

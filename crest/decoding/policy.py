@@ -1,0 +1,213 @@
+"""The drafting policy: how much of a draft to verify, learned from what was accepted, for one row or a batch.
+
+One `DraftPolicy` holds every rule that decides what the verifier sees, so the single-sequence generator, the
+batching scheduler, the replay benchmarks and the vLLM proposer draft alike: ask the drafter (`draft`: a
+failing, empty or invalid draft costs that step's draft only, said once), cut it to the budget and to the room
+left (`room_left`), then size the batch's drafts (`size`). A batched forward of B rows padded to S slots costs
+about `cost(B * S)` (the calibrated single-sequence curve, corrected by observed steps in `StepCost`), so the
+policy keeps the common cap k that maximises the batch's expected tokens per second, (B + the rows' expected
+accepted nodes within k) / cost(B * (1 + k)); for one row that is the best prefix of its draft. Expected
+accepted nodes are the draft's path probabilities times an acceptance scale learned from decayed sums of
+accepted and predicted nodes (`observe`). When nothing pays, the policy backs off (`skip`: a few steps without
+asking the drafters, doubling up to `MAX_BACKOFF`) and now and then verifies a small probe anyway, since an
+acceptance estimate that never sees a verified draft cannot learn.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from crest_client.draft import Draft, empty_draft, path_probabilities
+
+from crest.decoding.sizing import CostModel
+from crest.decoding.tree import check_draft, limit_depth
+from crest.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EXPLORE_EVERY = 16  # steps per row without a verified draft before a small one is verified anyway
+
+EXPLORE_NODES = 4  # at most this many nodes per row in such a probe: enough to learn from, cheap to verify
+
+MAX_BACKOFF = 8  # at most this many steps without drafting after tries at one batch size that did not pay
+
+DECAY = 0.95  # per verified step: the acceptance correction follows the last ~20 steps
+
+SCALE_BOUNDS = (0.05, 1.5)  # clip of the acceptance scale
+
+
+class StepCost:
+    """The calibrated cost curve times the observed ratio of step time to it, per power-of-two token count."""
+
+    BUCKETS = 16  # token counts 1 .. 2^15
+
+    def __init__(self, prior: CostModel, *, decay: float = 0.8) -> None:
+        self.prior, self.decay = prior, decay
+        self.ratio = np.full(self.BUCKETS, np.nan)  # [buckets] seconds observed / prior seconds, decayed
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Record that a step of `tokens` slots (rows x width) took `seconds`."""
+        expected = float(self.prior(tokens))
+        if tokens < 1 or seconds <= 0 or expected <= 0:
+            return
+        b = min(self.BUCKETS - 1, int(tokens).bit_length() - 1)
+        r = seconds / expected
+        old = self.ratio[b]
+        self.ratio[b] = r if np.isnan(old) else self.decay * old + (1.0 - self.decay) * r
+
+    def __call__(self, k: np.ndarray | int) -> np.ndarray:
+        """Return the estimated seconds of a step of `k` slots: the prior, scaled as observed nearby."""
+        k = np.asarray(k, dtype=np.float64)
+        seen = ~np.isnan(self.ratio)
+        if not seen.any():
+            return self.prior(k)
+        where = np.log2(np.maximum(k, 1.0))
+        scale = np.interp(where, np.nonzero(seen)[0].astype(np.float64), self.ratio[seen])  # nearest beyond ends
+        return self.prior(k) * scale
+
+
+CostSource = CostModel | StepCost | Callable[[], CostModel]
+
+
+class DraftPolicy:
+    """Drafts, sizes and learns for one generator, scheduler or proposer (not thread-safe: one loop owns it)."""
+
+    def __init__(
+        self,
+        *,
+        budget: int = 64,
+        adaptive: bool = True,
+        cost: CostSource | None = None,
+        vocab: int | None = None,
+        backoff: bool = True,
+    ) -> None:
+        """`cost` is the forward cost curve, or a function that returns it when first needed (a calibration)."""
+        if budget < 0:
+            raise ConfigError(f"the draft budget must be >= 0, got {budget}")
+        self.budget, self.adaptive, self.vocab, self.backoff = int(budget), adaptive, vocab, backoff
+        self._source = cost
+        self._cost: StepCost | None = None
+        self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
+        self._idle = 0  # steps since a draft was last verified
+        self._backoff = self._skip = self._skip_rows = 0  # steps to draft nothing after a try that did not pay
+        self._warned: set[tuple[str, str]] = set()
+
+    @property
+    def acceptance_scale(self) -> float:
+        """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
+        return float(np.clip((self._accepted + 0.5) / (self._predicted + 1.0), *SCALE_BOUNDS))
+
+    @property
+    def evidence(self) -> float:
+        """Return the decayed number of weight-predicted nodes verified so far (below 2: still exploring)."""
+        return self._predicted
+
+    def cost(self) -> StepCost:
+        """Return the step cost curve (the prior, called when first needed, corrected by `observe_cost`)."""
+        if self._cost is None:
+            source = self._source
+            if source is None:
+                raise ConfigError("adaptive draft sizing needs a cost model")
+            prior = source if isinstance(source, CostModel | StepCost) else source()
+            self._cost = prior if isinstance(prior, StepCost) else StepCost(prior)
+        return self._cost
+
+    def draft(self, drafter: Any, context: Sequence[int], *, room: int) -> Draft:
+        """Return the drafter's tree for the context, cut to the budget and to depth `room` (empty on any failure)."""
+        if drafter is None or room <= 0 or self.budget <= 0:
+            return empty_draft()
+        try:
+            tree = drafter.draft(context, self.budget)
+            if tree is None or len(tree) == 0:
+                return empty_draft()
+            if self.vocab is not None:
+                check_draft(tree, self.vocab)
+        except Exception as exc:  # a failing drafter costs a step's draft, never the generation
+            self._warn_once(drafter, exc)
+            return empty_draft()
+        return limit_depth(tree.truncate(self.budget), room)
+
+    def skip(self, rows: int) -> bool:
+        """Return whether to draft nothing this step: drafting did not pay on the last tries at this batch size."""
+        if not (self.adaptive and self.backoff) or self._skip <= 0 or rows != self._skip_rows:
+            return False
+        self._skip -= 1
+        self._idle += 1
+        return True
+
+    def size(self, drafts: Sequence[Draft]) -> tuple[list[Draft], float]:
+        """Return the drafts cut to the sizes that pay for the batch, and their weight-predicted accepted nodes."""
+        drafts = list(drafts)
+        if not self.adaptive or not any(len(d) for d in drafts):
+            return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
+        rows = len(drafts)
+        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale)
+        paid = any(sizes)
+        self._idle = 0 if paid else self._idle + 1
+        self._backoff = 0 if paid else min(MAX_BACKOFF, max(1, 2 * self._backoff))
+        self._skip, self._skip_rows = self._backoff, rows
+        if not paid and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * rows):
+            # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
+            # often as the batch grows, since every row then pads to the probe's width)
+            sizes, self._idle = [min(len(d), EXPLORE_NODES) for d in drafts], 0
+        predicted = sum(expected_nodes(d, k) for d, k in zip(drafts, sizes, strict=True))
+        return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], predicted
+
+    def observe(self, *, accepted: int, predicted: float) -> None:
+        """Fold one verified step's accepted and weight-predicted draft nodes into the acceptance correction."""
+        self._accepted = DECAY * self._accepted + accepted
+        self._predicted = DECAY * self._predicted + predicted
+
+    def observe_cost(self, tokens: int, seconds: float) -> None:
+        """Record that a forward of `tokens` slots took `seconds` (nothing before sizing first needed the curve)."""
+        if self._cost is not None:
+            self._cost.observe(tokens, seconds)
+
+    def _warn_once(self, drafter: Any, exc: Exception) -> None:
+        key = (type(drafter).__name__, type(exc).__name__)
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, "drafter %s: %s: %s (no draft this step)", key[0], key[1], exc)
+
+
+def room_left(*, context_length: int, generated: int, max_new_tokens: int, max_positions: int) -> int:
+    """Return the deepest draft path a step may verify: within the model's positions and the tokens still wanted."""
+    # a path of depth d needs positions up to past + d and emits d + 1 tokens
+    return min(max_positions - context_length - 1, max_new_tokens - generated - 1)
+
+
+def batch_draft_sizes(
+    drafts: Sequence[Draft], cost: CostModel | StepCost, *, acceptance_scale: float = 1.0
+) -> list[int]:
+    """Return each row's draft size: the common cap that maximises the batch's expected tokens per second."""
+    rows = len(drafts)
+    if rows == 0:
+        return []
+    lengths = np.array([len(d) for d in drafts], dtype=np.int64)
+    top = int(lengths.max())
+    if top == 0:
+        return [0] * rows
+    gains = np.zeros((rows, top + 1), dtype=np.float64)  # [B, k+1] expected accepted nodes within cap k
+    for r, draft in enumerate(drafts):
+        if len(draft):
+            gain = np.cumsum(acceptance_scale * path_probabilities(draft))
+            gains[r, 1 : len(draft) + 1] = gain
+            gains[r, len(draft) + 1 :] = gain[-1]
+    caps = np.arange(top + 1)
+    widths = 1 + np.minimum(caps.reshape(-1, 1), lengths.reshape(1, -1)).max(axis=1)  # [k+1] slots S per cap
+    rate = (rows + gains.sum(axis=0)) / cost(rows * widths)
+    best = int(np.argmax(rate))  # the first maximum: no draft when nothing pays
+    return [int(min(best, n)) for n in lengths]
+
+
+def choose_draft_size(draft: Draft, cost: CostModel | StepCost, *, acceptance_scale: float = 1.0) -> int:
+    """Return the prefix size k that maximises expected new tokens per second for this draft (0: no draft)."""
+    return batch_draft_sizes([draft], cost, acceptance_scale=acceptance_scale)[0]
+
+
+def expected_nodes(draft: Draft, size: int) -> float:
+    """Return the weight-predicted accepted nodes among the draft's first `size` nodes."""
+    return float(path_probabilities(draft)[:size].sum()) if size else 0.0

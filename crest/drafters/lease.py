@@ -1,0 +1,89 @@
+"""Shared store lookups for a batch: one pipelined round trip per store per step, handed to each row's drafter.
+
+Each row drafts through its own drafter (a prompt drafter and a merged drafter keep per-request state), but the
+store part of every row reads from a `StoreLease`: before the rows draft, `prefetch` asks each shared
+`crest_client.Store` for the contexts of all rows that use it in one `draft_many_parts` round trip (static and
+live tiers together), and each lease hands its row's answer to the row's drafter. A store or database error
+costs those rows their store drafts only; a store whose database was down at start (a `PendingStore`) drafts
+nothing until it connects. `crest serve`'s scheduler and the vLLM proposer both draft this way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from crest_client.draft import Draft
+
+from crest.drafters.store import STORE_ERRORS
+
+log = logging.getLogger(__name__)
+
+
+class StoreLease:
+    """One row's view of a shared store: the batch's prefetched answer for this row's context, else a lookup."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._ready: tuple[int, list[Draft | None]] | None = None  # (context length, prefetched [static, live])
+
+    @property
+    def live(self) -> Any:
+        """Return the shared store's live tier (None when it has none)."""
+        return getattr(self.store, "live", None)
+
+    def put(self, context_length: int, parts: list[Draft | None]) -> None:
+        """Hold the prefetched [static, live] drafts for the context of this length (taken by the next draft)."""
+        self._ready = (context_length, parts)
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int = 64) -> Draft | None:
+        """Return the prefetched static draft for this context when there is one, else ask the store."""
+        ready = self._take(len(context_ids))
+        if ready is not None:
+            return _cut(ready[0], max_nodes)
+        result: Draft | None = self.store.draft(context_ids, max_nodes=max_nodes)
+        return result
+
+    def draft_parts(self, context_ids: Sequence[int], max_nodes: int = 64) -> list[Draft | None]:
+        """Return the prefetched [static, live] drafts for this context when there are some, else ask the store."""
+        ready = self._take(len(context_ids))
+        if ready is not None:
+            return [_cut(d, max_nodes) for d in ready]
+        return list(self.store.draft_parts(context_ids, max_nodes=max_nodes))
+
+    def _take(self, context_length: int) -> list[Draft | None] | None:
+        ready, self._ready = self._ready, None
+        return ready[1] if ready is not None and ready[0] == context_length else None
+
+
+def _cut(draft: Draft | None, max_nodes: int) -> Draft | None:
+    return draft.truncate(max_nodes) if draft is not None else None
+
+
+def prefetch(leases: Sequence[StoreLease], contexts: Sequence[Sequence[int]], *, max_nodes: int) -> None:
+    """Look up every lease's context, one round trip per distinct store (both tiers); errors give no drafts."""
+    groups: dict[int, list[int]] = {}
+    for i, lease in enumerate(leases):
+        groups.setdefault(id(lease.store), []).append(i)
+    for members in groups.values():
+        store = leases[members[0]].store
+        batch = [contexts[i] for i in members]
+        try:
+            parts = _draft_many(store, batch, max_nodes)
+        except STORE_ERRORS as exc:
+            log.debug("store lookup failed, no store drafts this step: %s", exc)
+            parts = [[None, None] for _ in members]
+        for i, found in zip(members, parts, strict=True):
+            leases[i].put(len(contexts[i]), found)
+
+
+def _draft_many(store: Any, contexts: list[Sequence[int]], max_nodes: int) -> list[list[Draft | None]]:
+    """Return the store's [static, live] drafts for all contexts in one round trip (a pending store: none)."""
+    parts = getattr(store, "draft_many_parts", None)
+    if parts is not None:
+        return [list(p) for p in parts(contexts, max_nodes=max_nodes)]
+    many = getattr(store, "draft_many", None)  # a store without tiers
+    if many is not None:
+        return [[d, None] for d in many(contexts, max_nodes=max_nodes)]
+    return [[store.draft(c, max_nodes), None] for c in contexts]

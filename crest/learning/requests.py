@@ -1,0 +1,85 @@
+"""What a finished request teaches its store: its tokens, and how its drafts went, part by part.
+
+A finished request (not cancelled, not failed) teaches its store the prompt's last max-n tokens (the context its
+first output tokens followed) and its output (`served_tokens`), written by the store's
+`crest_client.learner.Learner` off the decoding path (`record_outcome`). Its learned row also says how it went
+(`request_stats`): target forwards, new tokens, verified and accepted draft nodes, and how many accepted tokens
+each named part's tree held before the parts were merged (`tally_parts`, once per step, from the trees the
+drafter reports through `drafted_parts`: the static tier, the live tier, the prompt, or any part a new drafter
+names). `crest serve` and the vLLM proposer both call these.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+from crest_client.draft import Draft
+from crest_client.learner import Learner
+
+from crest.config import IngestOptions
+from crest.drafters.protocol import drafted_parts
+
+log = logging.getLogger(__name__)
+
+
+def store_max_n(store: Any, *, default: int = IngestOptions().max_n) -> int:
+    """Return the longest n-gram an opened store keys on (a store still connecting: the ingest default)."""
+    inner = getattr(store, "store", None) or store  # a PendingStore once its database answered
+    return int(getattr(getattr(inner, "info", None), "max_n", default))
+
+
+def served_tokens(prompt: Sequence[int], output: Sequence[int], *, max_n: int) -> tuple[list[int], int]:
+    """Return the ids a finished request teaches (the prompt's last max_n, then the output) and that tail's length."""
+    tail = [int(t) for t in prompt[max(0, len(prompt) - max_n) :]] if max_n > 0 else []
+    return tail + [int(t) for t in output], len(tail)
+
+
+def path_length(tree: Draft, tokens: Sequence[int]) -> int:
+    """Return how many leading `tokens` the tree holds as one path from its root."""
+    at = -1
+    for depth, token in enumerate(tokens):
+        hit = np.flatnonzero((tree.parents == at) & (tree.tokens == token))  # a trie: one child per token
+        if hit.size == 0:
+            return depth
+        at = int(hit[0])
+    return len(tokens)
+
+
+def tally_parts(
+    counts: dict[str, int], drafter: Any, verified: Draft, *, context_length: int, accepted: Sequence[int]
+) -> None:
+    """Add to `counts` how many of a step's accepted draft tokens each part's tree held along the accepted path."""
+    if not accepted:
+        return
+    try:
+        for name, tree in drafted_parts(drafter, verified, context_length=context_length).items():
+            counts[name] = counts.get(name, 0) + path_length(tree, accepted)
+    except Exception as exc:  # a figure that cannot be counted must never fail the step
+        log.debug("counting accepted tokens per part failed: %s", exc)
+
+
+def request_stats(outcome: Any) -> dict[str, int]:
+    """Return a finished request's figures for its learned row: `crest_client.learner.STATS`, `accepted_<part>`."""
+    result, parts = outcome.result, getattr(outcome, "accepted_parts", {})
+    return {
+        "steps": int(result.forward_passes),
+        "new_tokens": len(result.output_token_ids),
+        "draft_tokens": int(outcome.accepted_draft_tokens + outcome.rejected_draft_tokens),
+        "accepted_tokens": int(outcome.accepted_draft_tokens),
+        **{f"accepted_{name}": int(count) for name, count in sorted(parts.items())},
+    }
+
+
+def record_outcome(learner: Learner, future: Future[Any], *, max_n: int) -> None:
+    """Queue a finished request's tokens and figures into its store's learner; a cancelled or failed one: nothing."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    outcome = future.result()
+    if outcome.cancelled or not outcome.result.output_token_ids:
+        return
+    ids, prompt_tokens = served_tokens(outcome.result.prompt_token_ids, outcome.result.output_token_ids, max_n=max_n)
+    learner.learn(ids, prompt_tokens=prompt_tokens, stats=request_stats(outcome))
