@@ -1,8 +1,9 @@
 -- How often each part of the served drafts was accepted, per store: over all time (period NULL) and per day.
 -- A served request's learned row says how it went: target forwards (steps), new tokens, draft nodes verified
 -- and accepted, and how many accepted tokens each part's tree held along the accepted path before the parts
--- were merged: the static tier, the live tier (what the store learned) and the prompt lookup. A token two
--- parts both held counts for both, so the parts' figures may add up to more than accepted_tokens. Rows
+-- were merged: the static tier, the live tier (what the store learned) and the prompt lookup (from the row's
+-- accepted_parts; part_acceptance.sql lists every part, new ones included). A token two parts both held
+-- counts for both, so the parts' figures may add up to more than accepted_tokens. Rows
 -- written without figures (`crest learn FILE`, an SDK `learn` without stats) have steps = 0 and are left out.
 -- M = new tokens per step; *_per_step = accepted tokens per step; *_share = accepted tokens / new tokens.
 -- Per hour instead of per day: set unit to 'hour' below.
@@ -11,7 +12,10 @@ WITH params AS (
   SELECT 'day'::text AS unit
 ), served AS (
   SELECT l.store, date_trunc(p.unit, l.created_at) AS period, l.steps, l.new_tokens, l.draft_tokens,
-         l.accepted_tokens, l.accepted_static, l.accepted_live, l.accepted_prompt
+         l.accepted_tokens,
+         coalesce((l.accepted_parts ->> 'static')::bigint, 0) AS accepted_static,
+         coalesce((l.accepted_parts ->> 'live')::bigint, 0) AS accepted_live,
+         coalesce((l.accepted_parts ->> 'prompt')::bigint, 0) AS accepted_prompt
   FROM crest_learned AS l CROSS JOIN params AS p
   WHERE l.steps > 0
 ), totals AS (

@@ -2,8 +2,9 @@
 what was queued, the queue is bounded (oldest dropped), a database that is down or hangs never stalls `learn()`
 nor raises and costs only counted drops, writing resumes when it is back, and concurrent appends from threads
 and processes lose nothing, the reader role may learn; what is queued when the interpreter exits is written.
-A sequence's figures (`stats`) go into their columns, 0 where not given; a batch without any writes only the
-columns of schema 0003, so a database not upgraded yet still takes it.
+A sequence's figures (`stats`) go into their columns, 0 where not given, and `accepted_<part>` of any part name
+into the jsonb `accepted_parts` (non-zero ones); a batch without any writes only the columns of schema 0003, so
+a database not upgraded yet still takes it.
 """
 
 from __future__ import annotations
@@ -22,22 +23,22 @@ import numpy as np
 import psycopg
 import pytest
 from crest_client.errors import InvalidName
-from crest_client.learner import STATS, Learner
+from crest_client.learner import STATS, Learner, split_stats
 from psycopg import sql
 
 from tests.fix_proxy import Proxy, Silent
 
 
 def figures(dsn: str, store: str = "code") -> list[dict[str, int]]:
-    """Return the store's learned rows' figures in id order, by `STATS` name."""
+    """Return the store's learned rows' figures in id order: by `STATS` name, and `accepted_<part>` per stored part."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
-            sql.SQL("SELECT {} FROM crest_learned WHERE store = %s ORDER BY id").format(
+            sql.SQL("SELECT {}, accepted_parts FROM crest_learned WHERE store = %s ORDER BY id").format(
                 sql.SQL(", ").join(map(sql.Identifier, STATS))
             ),
             (store,),
         ).fetchall()
-    return [dict(zip(STATS, row, strict=True)) for row in rows]
+    return [dict(zip(STATS, row[:-1], strict=True)) | {f"accepted_{k}": v for k, v in row[-1].items()} for row in rows]
 
 
 def learned(dsn: str, store: str = "code") -> list[tuple[list[int], int, int, str]]:
@@ -70,22 +71,52 @@ def test_rows_are_written_on_flush(learner: Learner, db_dsn: str) -> None:
 
 
 FULL = {"steps": 4, "new_tokens": 9, "draft_tokens": 20, "accepted_tokens": 5, "accepted_static": 2,
-        "accepted_live": 5, "accepted_prompt": 1}  # fmt: skip
+        "accepted_live": 5, "accepted_prompt": 1, "accepted_dense": 3}  # fmt: skip  # dense: no migration knows it
 
 
 def test_figures_are_written_with_their_rows(learner: Learner, db_dsn: str) -> None:
     learner.learn([1, 2, 3], stats=FULL)
     learner.learn([4, 5])  # none: every figure 0
-    learner.learn([6], stats={"steps": 1, "new_tokens": 1})  # the others 0
+    learner.learn([6], stats={"steps": 1, "new_tokens": 1, "accepted_live": 0, "accepted_draft_2": 7})  # others 0
     assert learner.flush(timeout=10)
     zero = dict.fromkeys(STATS, 0)
-    assert figures(db_dsn) == [FULL, zero, zero | {"steps": 1, "new_tokens": 1}]
+    assert figures(db_dsn) == [FULL, zero, zero | {"steps": 1, "new_tokens": 1, "accepted_draft_2": 7}]
+    with psycopg.connect(db_dsn) as conn:  # a part's figure is a number in one jsonb object; zeros are left out
+        rows = conn.execute("SELECT accepted_parts FROM crest_learned ORDER BY id").fetchall()
+    assert [parts for (parts,) in rows] == [{"static": 2, "live": 5, "prompt": 1, "dense": 3}, {}, {"draft_2": 7}]
+
+
+def test_split_stats_names_the_request_figures_and_the_parts() -> None:
+    assert split_stats(FULL) == ((4, 9, 20, 5), {"dense": 3, "live": 5, "prompt": 1, "static": 2})
+    assert split_stats({"accepted_tokens": 3, "accepted_x": 0}) == ((0, 0, 0, 3), {})
+    with pytest.raises(ValueError, match=r"unknown learned figures \['accepted_Live', 'tokens'\]"):
+        split_stats({"accepted_Live": 1, "tokens": 2})
 
 
 @pytest.mark.parametrize(
     "stats",
-    [{"steps": 1, "accepted_other": 2}, {"steps": -1}, {"steps": 2**31}, {"steps": "many"}],
-    ids=["unknown-name", "negative", "over-31-bits", "not-a-number"],
+    [
+        {"steps": 1, "other": 2},
+        {"accepted_": 1},
+        {"accepted_no-part": 1},
+        {"steps": -1},
+        {"accepted_live": -1},
+        {"steps": 2**31},
+        {"accepted_dense": 2**31},
+        {"steps": "many"},
+        {"accepted_live": None},
+    ],
+    ids=[
+        "unknown-name",
+        "empty-part",
+        "bad-part-name",
+        "negative",
+        "negative-part",
+        "over-31-bits",
+        "part-over-31-bits",
+        "not-a-number",
+        "part-not-a-number",
+    ],
 )
 def test_bad_figures_are_dropped_never_raised(learner: Learner, db_dsn: str, stats: Any) -> None:
     learner.learn([1, 2], stats=stats)
@@ -261,11 +292,12 @@ def test_the_reader_role_may_learn(db_dsn: str) -> None:
     try:
         with Learner(psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()}), "code") as found:
             found.learn([1, 2, 3], prompt_tokens=2)
-            found.learn([4, 5], stats={"steps": 1, "accepted_live": 1})
+            found.learn([4, 5], stats={"steps": 1, "accepted_live": 1, "accepted_dense": 2})
             assert found.flush(timeout=10)
             assert found.stats["written_rows"] == 2 and found.stats["errors"] == 0
         assert learned(db_dsn) == [([1, 2, 3], 3, 2, "sdk"), ([4, 5], 2, 0, "sdk")]
-        assert [(f["steps"], f["accepted_live"]) for f in figures(db_dsn)] == [(0, 0), (1, 1)]
+        assert figures(db_dsn) == [dict.fromkeys(STATS, 0), dict.fromkeys(STATS, 0) | {
+            "steps": 1, "accepted_live": 1, "accepted_dense": 2}]  # fmt: skip
     finally:
         with psycopg.connect(db_dsn, autocommit=True) as conn:  # roles are cluster-wide: remove them
             for role in (reader, writer):

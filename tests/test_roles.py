@@ -1,7 +1,8 @@
 """Least privilege on a real PostgreSQL: the writer ingests, the reader drafts and is refused everything else.
 
 The reader may INSERT crest_learned's data columns, the learned row's figures included, and no other column;
-migration 0004 adds those figures, hands them to the roles that could append rows before, and goes back down.
+migration 0004 adds those figures, hands them to the roles that could append rows before, and goes back down;
+migration 0005 moves the per-part figures into one jsonb column (rows, grants and back down included).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -204,21 +206,21 @@ def test_the_reader_may_insert_learned_rows_with_figures_and_nothing_more(roles:
             conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(roles.reader), roles.password))
     else:
         create_roles(roles.admin, reader=roles.reader, writer=roles.writer, reader_password=roles.password)
-    assert "accepted_live" in LEARNED_INSERT_COLUMNS
+    assert "accepted_parts" in LEARNED_INSERT_COLUMNS
     assert _column_rights(roles.admin, roles.reader) == {"INSERT": set(LEARNED_INSERT_COLUMNS), "UPDATE": set()}
     with psycopg.connect(roles.reader_dsn, autocommit=True) as conn:
         conn.execute(
-            "INSERT INTO crest_learned (store, tokens, n_tokens, steps, new_tokens, accepted_live)"
-            " VALUES ('s', '\\x01000000', 1, 2, 3, 1)"
+            "INSERT INTO crest_learned (store, tokens, n_tokens, steps, new_tokens, accepted_parts)"
+            " VALUES ('s', '\\x01000000', 1, 2, 3, '{\"live\": 1}')"
         )
-    _refused(roles.reader_dsn, "UPDATE crest_learned SET accepted_live = 9")
+    _refused(roles.reader_dsn, "UPDATE crest_learned SET accepted_parts = '{}'")
     _refused(
         roles.reader_dsn, "INSERT INTO crest_learned (store, tokens, n_tokens, created_at) VALUES ('s', '', 0, now())"
     )
     with psycopg.connect(roles.admin) as conn:
-        assert conn.execute(
-            "SELECT steps, new_tokens, accepted_live, accepted_static FROM crest_learned"
-        ).fetchall() == [(2, 3, 1, 0)]
+        assert conn.execute("SELECT steps, new_tokens, accepted_parts FROM crest_learned").fetchall() == [
+            (2, 3, {"live": 1})
+        ]
 
 
 def _downgrade(dsn: str, revision: str) -> None:
@@ -249,6 +251,12 @@ def _learned_columns(dsn: str) -> list[str]:
     return [str(name) for (name,) in rows]
 
 
+# crest_learned's columns and the reader's INSERT columns at revision 0004 (frozen: later revisions change them)
+COLUMNS_0004 = ["id", "store", "tokens", "n_tokens", "prompt_tokens", "source", "created_at", "steps", "new_tokens",
+                "draft_tokens", "accepted_tokens", "accepted_static", "accepted_live", "accepted_prompt"]  # fmt: skip
+INSERT_0004 = {"store", "tokens", "n_tokens", "prompt_tokens", "source", *COLUMNS_0004[7:]}
+
+
 def test_migration_0004_adds_the_figures_hands_them_to_appenders_and_goes_back(roles: Roles) -> None:
     _downgrade(roles.admin, "0003")  # from head
     old_columns = ["id", "store", "tokens", "n_tokens", "prompt_tokens", "source", "created_at"]
@@ -263,9 +271,9 @@ def test_migration_0004_adds_the_figures_hands_them_to_appenders_and_goes_back(r
         )  # what 0003's `crest db roles` granted
         conn.execute(sql.SQL("GRANT SELECT ON crest_learned TO {}").format(sql.Identifier(roles.writer)))
         conn.execute("INSERT INTO crest_learned (store, tokens, n_tokens) VALUES ('s', '\\x01000000', 1)")
-    assert upgrade(roles.admin) == "0004"
-    assert _learned_columns(roles.admin) == [c.name for c in learned.columns]  # the schema module mirrors it
-    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS)
+    assert upgrade(roles.admin, revision="0004") == "0004"
+    assert _learned_columns(roles.admin) == COLUMNS_0004
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == INSERT_0004
     assert _column_rights(roles.admin, roles.writer)["INSERT"] == set()  # no append right before: none now
     with psycopg.connect(roles.admin) as conn:
         assert conn.execute("SELECT steps, accepted_live FROM crest_learned").fetchall() == [(0, 0)]
@@ -273,4 +281,55 @@ def test_migration_0004_adds_the_figures_hands_them_to_appenders_and_goes_back(r
     assert _learned_columns(roles.admin) == old_columns
     with psycopg.connect(roles.admin) as conn:
         assert conn.execute("SELECT n_tokens FROM crest_learned").fetchall() == [(1,)]  # the rows stay
-    assert upgrade(roles.admin) == "0004"  # and up again
+    assert upgrade(roles.admin, revision="0004") == "0004"  # and up again
+
+
+def _parts(dsn: str) -> list[tuple[int, Any]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT steps, accepted_parts FROM crest_learned ORDER BY id").fetchall()
+
+
+def _old_parts(dsn: str) -> list[tuple[int, int, int, int]]:
+    with psycopg.connect(dsn) as conn:
+        query = "SELECT steps, accepted_static, accepted_live, accepted_prompt FROM crest_learned ORDER BY id"
+        return conn.execute(query).fetchall()
+
+
+def test_migration_0005_moves_the_parts_into_jsonb_with_their_rows_and_grants_and_goes_back(roles: Roles) -> None:
+    _downgrade(roles.admin, "0004")  # from head
+    assert _learned_columns(roles.admin) == COLUMNS_0004
+    old_rows = [(3, 6, 0, 2), (1, 0, 0, 0), (0, 0, 0, 0), (2, 0, 4, 0)]  # steps, static, live, prompt
+    with psycopg.connect(roles.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(roles.reader)))
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(roles.writer)))
+        conn.execute(
+            sql.SQL("GRANT INSERT ({}) ON crest_learned TO {}").format(
+                sql.SQL(", ").join(map(sql.Identifier, sorted(INSERT_0004))), sql.Identifier(roles.reader)
+            )
+        )  # what 0004's `crest db roles` granted
+        conn.execute(sql.SQL("GRANT SELECT ON crest_learned TO {}").format(sql.Identifier(roles.writer)))
+        for row in old_rows:
+            conn.execute(
+                "INSERT INTO crest_learned (store, tokens, n_tokens, steps, accepted_static, accepted_live,"
+                " accepted_prompt) VALUES ('s', '\\x01000000', 1, %s, %s, %s, %s)",
+                row,
+            )
+    assert upgrade(roles.admin) == "0005"
+    assert _learned_columns(roles.admin) == [c.name for c in learned.columns]  # the schema module mirrors it
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS)
+    assert _column_rights(roles.admin, roles.writer)["INSERT"] == set()  # no append right before: none now
+    want = [(3, {"static": 6, "prompt": 2}), (1, {}), (0, {}), (2, {"live": 4})]  # only the parts that held some
+    assert _parts(roles.admin) == want
+    with psycopg.connect(roles.admin, autocommit=True) as conn:  # the reader appends a part no migration knows
+        conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(roles.reader)))
+        conn.execute(
+            "INSERT INTO crest_learned (store, tokens, n_tokens, steps, accepted_parts)"
+            " VALUES ('s', '\\x01000000', 1, 5, '{\"dense\": 3, \"live\": 1}')"
+        )
+    _downgrade(roles.admin, "0004")
+    assert _learned_columns(roles.admin) == COLUMNS_0004
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == INSERT_0004
+    assert _column_rights(roles.admin, roles.writer)["INSERT"] == set()
+    assert _old_parts(roles.admin) == [*old_rows, (5, 0, 1, 0)]  # the three columns back; dense has none: lost
+    assert upgrade(roles.admin) == "0005"  # and up again
+    assert _parts(roles.admin) == [*want, (5, {"live": 1})]

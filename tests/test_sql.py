@@ -34,6 +34,7 @@ FILES = [
     "roles.sql",
     "learned.sql",
     "live_acceptance.sql",
+    "part_acceptance.sql",
 ]
 
 
@@ -80,15 +81,18 @@ def test_disk_use(demo: str) -> None:
 
 SERVED = [  # (store, day, figures): two requests on day 1, one on day 2, and a row without figures
     ("code", 1, {"steps": 10, "new_tokens": 25, "draft_tokens": 40, "accepted_tokens": 15, "accepted_static": 6,
-                 "accepted_live": 12, "accepted_prompt": 3}),
+                 "accepted_live": 12, "accepted_prompt": 3, "accepted_dense": 9}),  # dense: a part no migration knows
     ("code", 1, {"steps": 5, "new_tokens": 5, "draft_tokens": 8}),
-    ("code", 2, {"steps": 5, "new_tokens": 10, "draft_tokens": 12, "accepted_tokens": 5, "accepted_live": 5}),
+    ("code", 2, {"steps": 5, "new_tokens": 10, "draft_tokens": 12, "accepted_tokens": 5, "accepted_live": 5,
+                 "accepted_dense": 1}),
     ("code", 2, None),
     ("chat", 2, {"steps": 4, "new_tokens": 8, "draft_tokens": 9, "accepted_tokens": 4, "accepted_prompt": 4}),
 ]  # fmt: skip
 
 
-def test_live_acceptance_counts_what_each_part_held(db_dsn: str) -> None:
+@pytest.fixture()
+def served(db_dsn: str) -> str:
+    """Return a database whose learned log holds SERVED, each row on its day."""
     for store, day, figures in SERVED:
         append_learned(db_dsn, store, [[1, 2, 3]], stats=None if figures is None else [figures])
         with psycopg.connect(db_dsn, autocommit=True) as conn:
@@ -96,7 +100,11 @@ def test_live_acceptance_counts_what_each_part_held(db_dsn: str) -> None:
                 "UPDATE crest_learned SET created_at = %s WHERE id = (SELECT max(id) FROM crest_learned)",
                 (datetime(2026, 11, day, 12, tzinfo=timezone.utc),),  # noon: the same day in any time zone
             )
-    rows = {(r["store"], r["period"] and r["period"].day): r for r in _run(db_dsn, "live_acceptance.sql")}
+    return db_dsn
+
+
+def test_live_acceptance_counts_what_each_part_held(served: str) -> None:
+    rows = {(r["store"], r["period"] and r["period"].day): r for r in _run(served, "live_acceptance.sql")}
     assert list(rows) == [("chat", None), ("chat", 2), ("code", None), ("code", 1), ("code", 2)]  # totals first
     code = rows[("code", None)]
     assert (code["requests"], code["new_tokens"], code["steps"], code["accepted_tokens"]) == (3, 40, 20, 20)
@@ -107,3 +115,25 @@ def test_live_acceptance_counts_what_each_part_held(db_dsn: str) -> None:
     day1 = rows[("code", 1)]
     assert (day1["requests"], day1["steps"], float(day1["m"]), float(day1["live_per_step"])) == (2, 15, 2.0, 0.8)
     assert float(rows[("chat", 2)]["prompt_share"]) == 0.5 and float(rows[("chat", 2)]["live_share"]) == 0.0
+
+
+def test_part_acceptance_has_a_row_per_part_new_parts_included(served: str) -> None:
+    found = _run(served, "part_acceptance.sql")
+    rows = {(r["store"], r["period"] and r["period"].day, r["part"]): r for r in found}
+    assert list(rows) == [
+        ("chat", None, "prompt"), ("chat", 2, "prompt"),
+        ("code", None, "dense"), ("code", None, "live"), ("code", None, "prompt"), ("code", None, "static"),
+        ("code", 1, "dense"), ("code", 1, "live"), ("code", 1, "prompt"), ("code", 1, "static"),
+        ("code", 2, "dense"), ("code", 2, "live"),
+    ]  # fmt: skip  # totals first; a part with no accepted token in a period has no row
+    dense = rows[("code", None, "dense")]
+    assert (dense["requests"], dense["steps"], dense["new_tokens"], dense["accepted_tokens"]) == (3, 20, 40, 20)
+    assert (dense["part_requests"], dense["part_tokens"]) == (2, 10)
+    assert (float(dense["per_step"]), float(dense["share"]), float(dense["of_accepted"])) == (0.5, 0.25, 0.5)
+    live = rows[("code", 1, "live")]
+    assert (live["requests"], live["part_requests"], live["part_tokens"], float(live["per_step"])) == (2, 1, 12, 0.8)
+    by_part = {part: r for (store, day, part), r in rows.items() if store == "code" and day is None}
+    old = {r["store"]: r for r in _run(served, "live_acceptance.sql") if r["period"] is None}["code"]
+    for part in ("static", "live", "prompt"):  # the two queries agree on the parts both know
+        assert by_part[part]["part_tokens"] == old[f"accepted_{part}"]
+        assert by_part[part]["per_step"] == old[f"{part}_per_step"] and by_part[part]["share"] == old[f"{part}_share"]

@@ -9,8 +9,9 @@ outputs, so the newest are the ones worth keeping). A database that is down, slo
 drop the batch it was writing, count it and warn once per outage; the caller never waits for it. `flush()`
 waits until everything queued so far is written or dropped; `close()` flushes and stops the thread (learners
 still open when the interpreter exits are closed then, waiting at most `EXIT_TIMEOUT` seconds each). A
-sequence may carry how its request went (`stats`, the integer columns named in `STATS`); a batch without any
-writes the columns of schema 0003 only, so a database not yet upgraded still takes it.
+sequence may carry how its request went (`stats`: the integer columns named in `STATS`, and `accepted_<part>`
+for any drafter part, kept in the jsonb column `accepted_parts`); a batch without any writes the columns of
+schema 0003 only, so a database not yet upgraded still takes it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import re
 import threading
 import weakref
 from collections import deque
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import psycopg
+from psycopg.types.json import Jsonb
 
 from crest_client.names import check_store_name, resolve_dsn
 
@@ -37,10 +40,10 @@ STATS = (
     "new_tokens",  # tokens generated
     "draft_tokens",  # draft nodes verified
     "accepted_tokens",  # draft nodes accepted
-    "accepted_static",  # accepted tokens the static tier's tree held along the accepted path
-    "accepted_live",  # the same, of the live tier's tree
-    "accepted_prompt",  # the same, of the prompt lookup's tree
 )  # a learned row's figures of the request that served it (0 when not given)
+
+PART_PREFIX = "accepted_"  # stats["accepted_<part>"]: accepted tokens the part's tree held along the accepted path
+PART_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # a drafter part's name: static, live, prompt, ...
 
 INSERT_SQL = (
     "INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source)"
@@ -48,9 +51,9 @@ INSERT_SQL = (
 )
 
 INSERT_STATS_SQL = (
-    f"INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source, {', '.join(STATS)})"
-    f" SELECT %s, t, n, p, %s, {', '.join(STATS)} FROM unnest(%s::bytea[], %s::integer[], %s::integer[],"
-    f" {', '.join(['%s::integer[]'] * len(STATS))}) AS u(t, n, p, {', '.join(STATS)})"
+    f"INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source, {', '.join(STATS)}, accepted_parts)"
+    f" SELECT %s, t, n, p, %s, {', '.join(STATS)}, a FROM unnest(%s::bytea[], %s::integer[], %s::integer[],"
+    f" {', '.join(['%s::integer[]'] * len(STATS))}, %s::jsonb[]) AS u(t, n, p, {', '.join(STATS)}, a)"
 )
 
 EXIT_TIMEOUT = 5.0  # seconds an open learner may take to write its queue when the interpreter exits
@@ -62,13 +65,13 @@ _OPEN: weakref.WeakSet[Learner] = weakref.WeakSet()
 
 @dataclass
 class _Item:
-    """One queued sequence: its place in the queue's order, token bytes, counts and figures (`STATS` order)."""
+    """One queued sequence: its place in the queue's order, token bytes, counts and figures (`split_stats`)."""
 
     seq: int
     tokens: bytes
     n_tokens: int
     prompt_tokens: int
-    stats: tuple[int, ...] | None = None
+    stats: tuple[tuple[int, ...], dict[str, int]] | None = None
 
 
 class Learner:
@@ -132,8 +135,9 @@ class Learner:
     ) -> None:
         """Queue one served sequence (its first `prompt_tokens` ids are context); never block, never raise.
 
-        `stats` holds the request's figures by `STATS` name (others are 0); a sequence with unknown names or
-        values that are not integers in 0..2**31-1 is dropped and counted, as bad ids are.
+        `stats` holds the request's figures by `STATS` name (others are 0) and `accepted_<part>` per drafter
+        part (`split_stats`); a sequence with unknown names or values that are not integers in 0..2**31-1 is
+        dropped and counted, as bad ids are.
         """
         try:
             ids = np.asarray(token_ids)
@@ -142,7 +146,7 @@ class Learner:
             if ids.size and int(ids.max()) > 0xFFFFFFFF:
                 raise ValueError("token ids must fit in 32 bits")
             data = ids.astype("<u4").tobytes()
-            figures = _figures(stats)
+            figures = None if stats is None else split_stats(stats)
         except Exception as exc:  # a caller's bad input is dropped and counted, never raised into serving
             n = len(token_ids) if hasattr(token_ids, "__len__") else 0
             log.debug("learner %s: dropped a sequence: %s", self.store, exc)
@@ -226,10 +230,11 @@ class Learner:
         rows, tokens = len(batch), sum(item.n_tokens for item in batch)
         columns = [[item.tokens for item in batch], [item.n_tokens for item in batch]]
         columns.append([item.prompt_tokens for item in batch])
-        figures = [item.stats or (0,) * len(STATS) for item in batch]
         with_stats = any(item.stats is not None for item in batch)
         if with_stats:
-            columns.extend(list(column) for column in zip(*figures, strict=True))
+            figures = [item.stats or ((0,) * len(STATS), {}) for item in batch]
+            columns.extend(list(column) for column in zip(*(values for values, _ in figures), strict=True))
+            columns.append([Jsonb(parts) for _, parts in figures])
         try:
             conn = self._connection()
             conn.execute(INSERT_STATS_SQL if with_stats else INSERT_SQL, (self.store, self.source, *columns))
@@ -284,17 +289,29 @@ class Learner:
                 log.debug("learner %s: closing its connection: %s", self.store, exc)
 
 
-def _figures(stats: Mapping[str, int] | None) -> tuple[int, ...] | None:
-    """Return a sequence's figures in `STATS` order (missing ones 0), or None without any; raise ValueError."""
-    if stats is None:
-        return None
-    unknown = set(stats) - set(STATS)
+def split_stats(stats: Mapping[str, int]) -> tuple[tuple[int, ...], dict[str, int]]:
+    """Return a request's figures in `STATS` order (missing ones 0) and its non-zero parts; raise ValueError."""
+    parts = {
+        name[len(PART_PREFIX) :]: value
+        for name, value in stats.items()
+        if name not in STATS and name.startswith(PART_PREFIX) and PART_NAME.fullmatch(name[len(PART_PREFIX) :])
+    }
+    unknown = set(stats) - set(STATS) - {PART_PREFIX + part for part in parts}
     if unknown:
-        raise ValueError(f"unknown learned figures {sorted(unknown)}; known: {', '.join(STATS)}")
-    values = tuple(int(stats.get(name, 0)) for name in STATS)
-    if any(not 0 <= v <= 0x7FFFFFFF for v in values):
+        raise ValueError(
+            f"unknown learned figures {sorted(unknown)}; known: {', '.join(STATS)} and"
+            f" {PART_PREFIX}<part> (a part's name: lowercase letters, digits, _)"
+        )
+    values = tuple(_figure(stats.get(name, 0)) for name in STATS)
+    return values, {part: n for part, value in sorted(parts.items()) if (n := _figure(value))}
+
+
+def _figure(value: object) -> int:
+    """Return a figure as an int; raise ValueError unless it is an integer in 0..2**31-1."""
+    number = int(value)  # type: ignore[call-overload]
+    if not 0 <= number <= 0x7FFFFFFF:
         raise ValueError("learned figures must be integers in 0..2**31-1")
-    return values
+    return number
 
 
 @atexit.register

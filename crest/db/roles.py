@@ -27,7 +27,7 @@ from crest import db
 from crest.config import check_store_name
 from crest.errors import ConfigError, DatabaseError
 
-LEARNED_INSERT_COLUMNS = ("store", "tokens", "n_tokens", "prompt_tokens", "source", *LEARNED_STATS)
+LEARNED_INSERT_COLUMNS = ("store", "tokens", "n_tokens", "prompt_tokens", "source", *LEARNED_STATS, "accepted_parts")
 
 
 @dataclass

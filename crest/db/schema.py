@@ -4,7 +4,8 @@
 `crest_store_data` what a client loads once per version: the token table that tree blobs' ranks index and the
 filter of stored keys. A store name has one published `static` version (built by `crest ingest`) and at most
 one published `live` version (built from `crest_learned`, the append-only log of tokens it served, each row
-with the figures of the request that served it: forwards, new tokens, accepted draft tokens per part).
+with the figures of the request that served it: forwards, new tokens, accepted draft tokens, and per drafter
+part in one jsonb object, so that a new part needs no migration).
 `crest_ngrams` and `crest_vocab` are partitioned by store version: an ingest fills stand-alone tables and
 attaches them as partitions in the same transaction that publishes the version, so readers see either the
 previous version or the new one, never a partial one, and an old version is dropped as a whole.
@@ -90,6 +91,8 @@ learned = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     # the figures of the request that served the row (crest_client.learner.STATS), 0 when not given
     *(sa.Column(name, sa.Integer, nullable=False, server_default="0") for name in LEARNED_STATS),
+    # part name -> accepted tokens that part's tree held along the accepted path (only non-zero ones)
+    sa.Column("accepted_parts", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
 )
 sa.Index("crest_learned_store_id", learned.c.store, learned.c.id)
 

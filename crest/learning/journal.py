@@ -3,7 +3,8 @@
 `append_learned` writes token lists with one COPY in one transaction (all or nothing; the reader role may do
 it, it holds INSERT on this table alone). Tokens are stored as little-endian uint32, `n_tokens` beside them;
 `prompt_tokens` says how many leading ids were prompt context rather than served output, and `stats` (per row,
-optional) the figures of the request that served it (`crest_client.learner.STATS`; 0 when not given). `read_window`
+optional) the figures of the request that served it (`crest_client.learner.STATS`, 0 when not given, and
+`accepted_<part>` per drafter part into the jsonb `accepted_parts`; `crest_client.learner.split_stats`). `read_window`
 returns the most recent W tokens of a store as one token array with document offsets (a row is a document,
 its prompt context included), the form `crest.ingest.pipeline.build_store` takes.
 """
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import psycopg
-from crest_client.learner import STATS
+from crest_client.learner import STATS, split_stats
+from psycopg.types.json import Jsonb
 
 from crest import db
 from crest.config import check_store_name
@@ -96,27 +98,26 @@ def append_learned(
         raise DatabaseError(f"could not append to the learned log: {str(exc).strip()}") from None
 
 
-def _stats_row(given: Mapping[str, int] | None) -> tuple[int, ...]:
-    """Return a row's figures in `STATS` order (0 where not given); raise ConfigError on a bad one."""
-    given = given or {}
-    unknown = sorted(set(given) - set(STATS))
-    if unknown:
-        raise ConfigError(f"unknown learned figures {unknown}: known are {', '.join(STATS)}")
-    values = tuple(int(given.get(name, 0)) for name in STATS)
-    if any(not 0 <= v <= 2**31 - 1 for v in values):
-        raise ConfigError("learned figures must be integers in 0..2**31-1")
-    return values
+def _stats_row(given: Mapping[str, int] | None) -> tuple[Any, ...]:
+    """Return a row's figures in `STATS` order (0 where not given) and its parts; raise ConfigError on a bad one."""
+    try:
+        values, parts = split_stats(given or {})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    return (*values, Jsonb(parts))
 
 
 def _copy_rows(conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], *, with_stats: bool) -> int:
-    figures = STATS if with_stats else ()  # without: the columns' defaults, and the INSERT rights of schema 0003
+    # without figures: the columns' defaults, and the INSERT rights of schema 0003
+    figures = (*STATS, "accepted_parts") if with_stats else ()
     columns = ", ".join(("store", "tokens", "n_tokens", "prompt_tokens", "source", *figures))
     with (
         conn.transaction(),
         conn.cursor() as cur,
         cur.copy(f"COPY crest_learned ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
     ):
-        copy.set_types(["text", "bytea", "int4", "int4", "text", *["int4"] * len(figures)])
+        types = ["int4"] * len(STATS) + ["jsonb"] if with_stats else []
+        copy.set_types(["text", "bytea", "int4", "int4", "text", *types])
         for row in rows:
             copy.write_row(row)
     return len(rows)
