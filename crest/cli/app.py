@@ -18,7 +18,6 @@ import typer
 
 from crest.cli.bench_commands import bench_app, rest_app
 from crest.cli.db_commands import db_app, server_app
-from crest.cli.export_commands import export_hf
 from crest.cli.drafter_commands import drafters
 from crest.cli.export_commands import export_hf
 from crest.cli.generate import generate
@@ -38,7 +37,6 @@ app = typer.Typer(
 )
 for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, serve, drafters):
     app.command()(command)
-app.command("export-hf")(export_hf)
 app.command("export-hf")(export_hf)
 app.add_typer(db_app, name="db")
 app.add_typer(server_app, name="server")
