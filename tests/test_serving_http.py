@@ -210,7 +210,7 @@ def test_bad_requests_get_openai_errors(served: Running, body: dict[str, Any], s
 def test_seeded_sampling_repeats(served: Running) -> None:
     client = served.client()
     texts = [
-        client.completions.create(model="t", prompt="def", max_tokens=12, temperature=0.9, seed=seed).choices[0].text
+        client.completions.create(model="tiny", prompt="def", max_tokens=12, temperature=0.9, seed=seed).choices[0].text
         for seed in (7, 7, 8)
     ]
     assert texts[0] == texts[1] != texts[2]
@@ -238,6 +238,25 @@ def test_models_health_metrics(served: Running) -> None:
     assert "crest_completion_tokens_total 3.0" in text  # the scheduler reports to the app's metrics
 
 
+def test_a_model_that_is_not_served_is_openais_404(served: Running) -> None:
+    client = served.client()
+    with pytest.raises(openai.NotFoundError) as found:
+        client.completions.create(model="gpt-4o", prompt="def", max_tokens=2)
+    assert found.value.body == {  # what OpenAI answers, which clients rely on
+        "message": "The model 'gpt-4o' does not exist: this server serves 'tiny' (GET /v1/models)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    assert client.models.retrieve("tiny").id == "tiny"
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "def", "max_tokens": 2})  # no model: the served one
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+
+
 def test_disconnect_frees_the_row(served: Running) -> None:
     body = {"prompt": "def", "max_tokens": 1500, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body) as r:
@@ -262,7 +281,7 @@ def test_api_key_and_queue_bound(tiny_served: Any, smollm2_tokenizer: Any, monke
         step = running.engine.scheduler.step
         monkeypatch.setattr(running.engine.scheduler, "step", lambda: gate.wait() and step())
         first = threading.Thread(
-            target=lambda: running.client("sekrit").completions.create(model="t", prompt="a", max_tokens=2)
+            target=lambda: running.client("sekrit").completions.create(model="tiny", prompt="a", max_tokens=2)
         )
         first.start()
         while running.engine.scheduler.queued == 0:
@@ -288,9 +307,9 @@ def test_database_down_gives_the_same_output(tiny_served: Any, smollm2_tokenizer
     )
     try:
         client = running.client()
-        a = client.completions.create(model="t", prompt="def add(a, b):", max_tokens=10, temperature=0)
+        a = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=10, temperature=0)
         b = client.completions.create(
-            model="t", prompt="def add(a, b):", max_tokens=10, temperature=0, extra_body={"drafter": "none"}
+            model="tiny", prompt="def add(a, b):", max_tokens=10, temperature=0, extra_body={"drafter": "none"}
         )
         assert a.choices[0].text == b.choices[0].text
     finally:

@@ -31,6 +31,7 @@ from crest.serving.protocol import (
     completion_body,
     error_body,
     finish_reason,
+    model_card,
     new_id,
     usage,
 )
@@ -47,9 +48,17 @@ _END = object()  # the stream's end marker, queued after the last text piece
 class ApiError(Exception):
     """An error answered with an OpenAI-style error object."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", headers: Any = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: Any = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.kind, self.headers = status, kind, headers
+        self.status, self.kind, self.code, self.headers = status, kind, code, headers
 
 
 class StopText:
@@ -127,21 +136,37 @@ def create_app(engine: Engine, *, metrics: ServerMetrics | None = None, api_key:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "crest"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card(engine.model_name)]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        _check_model(engine, model)
+        return JSONResponse(model_card(engine.model_name))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(engine, body.model)
         prompt = await _user_call(engine.encode, body.prompt)
         return await _serve(engine, body, prompt, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
+        _check_model(engine, body.model)
         messages = await _user_call(lambda: [(m.role, m.text()) for m in body.messages])
         prompt = await _user_call(engine.encode_chat, messages)
         return await _serve(engine, body, prompt, request, chat=True)
 
     return app
+
+
+def _check_model(engine: Engine, name: str | None) -> None:
+    """Raise a 404 (OpenAI's model_not_found) unless `name` is the served model or not given."""
+    if name is not None and name != engine.model_name:
+        raise ApiError(
+            404,
+            f"The model {name!r} does not exist: this server serves {engine.model_name!r} (GET /v1/models)",
+            code="model_not_found",
+        )
 
 
 async def _user_call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -266,4 +291,5 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), kind=exc.kind), status_code=exc.status, headers=exc.headers)
+    body = error_body(str(exc), kind=exc.kind, code=exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)

@@ -143,6 +143,11 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def model_card(name: str) -> dict[str, Any]:
+    """Return the served model as an entry of GET /v1/models."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "crest"}
+
+
 def new_id(prefix: str) -> str:
     """Return a fresh response id."""
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
