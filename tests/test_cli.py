@@ -137,6 +137,30 @@ def test_commands_that_read_a_fresh_database(
     assert "crest_stores" not in err
 
 
+def test_lookup_says_which_suffix_matched_and_takes_the_rule(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # "on" is followed by "mat" 300 times; the 4-gram "the cat sat on" once, by "a": the expected rule drafts
+    # from the common 1-token suffix, the longest rule from the rare 4-token one
+    corpus = write_corpus(tmp_path / "c.jsonl", ["dog on mat"] * 150 + ["the cat sat on a"])
+    ingest([str(corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=IngestOptions())
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    text = "the cat sat on"
+    for rule, n, suffix, first in [("expected", 1, ["on"], "mat"), ("longest", 4, text.split(), "a")]:
+        code, out, err = run(monkeypatch, capsys, "lookup", "--store", "words", text, "--rule", rule, "--json")
+        found = json.loads(out)
+        assert code == 0 and (found["rule"], found["n"], found["suffix"]["text"]) == (rule, n, suffix), (out, err)
+        assert found["text"][0] == first
+        code, out, _ = run(monkeypatch, capsys, "lookup", "--store", "words", text, "--rule", rule)
+        quoted = " ".join(repr(word) for word in suffix)
+        assert code == 0 and f"matched suffix {quoted} ({n} token(s), rule {rule})" in " ".join(out.split()), out
+    monkeypatch.setenv("CREST_SUFFIX_RULE", "longest")
+    assert json.loads(run(monkeypatch, capsys, "lookup", "--store", "words", text, "--json")[1])["n"] == 4
+    code, out, err = run(monkeypatch, capsys, "lookup", "--store", "words", text, "--rule", "shortest")
+    assert code == EXIT_USAGE and "unknown suffix rule 'shortest'" in one_error_line(err)
+
+
 class _Terminal(io.StringIO):
     """Standard input that says it is a terminal (what a user types is its text)."""
 

@@ -1,7 +1,8 @@
 """`crest lookup` and `crest bench lookup`: one text's draft tree, SDK lookups timed against a bare prepared lookup.
 
 `lookup_text` encodes a text with the store's tokenizer (or a given one, which must match the store's
-fingerprint) and returns the draft tree stored for its longest suffix with each node's text piece.
+fingerprint) and returns the draft tree of the stored suffix the suffix rule picks (`crest_client.choice`), with
+that suffix and each node's text piece.
 `bench_lookup` times the SDK's `draft()` on cache misses side by side with a bare prepared single-row psycopg
 lookup of the same rows on the same server, and the cache-hit path; `bench_batch` times `draft_many` for
 batches of contexts (a serving step's lookups: one pipelined round trip, decoding included) and splits a batch's
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,9 @@ class TextLookup:
 
     draft: Draft | None
     pieces: list[str]
+    rule: str = "expected"  # the suffix rule that picked the suffix
+    suffix_ids: list[int] = field(default_factory=list)  # the matched suffix: the text's last draft.n tokens
+    suffix_pieces: list[str] = field(default_factory=list)
 
 
 def lookup_text(
@@ -46,19 +50,29 @@ def lookup_text(
     *,
     tokenizer: str | None = None,
     max_nodes: int = 64,
+    rule: str | None = None,
     timeout: float = LOOKUP_TIMEOUT,
 ) -> TextLookup:
-    """Return the tree for the longest stored suffix of `text` (tokenizer: the store's own unless given)."""
+    """Return the tree for the stored suffix of `text` that `rule` picks (tokenizer: the store's own unless given)."""
     from crest.ingest.tokenizer import load_tokenizer
 
     check_store_name(store)
-    with Store.connect(dsn, store, cache_size=0, timeout=timeout, connect_timeout=timeout) as handle:
+    with Store.connect(dsn, store, cache_size=0, timeout=timeout, connect_timeout=timeout, rule=rule) as handle:
         tok = load_tokenizer(resolve_model_spec(tokenizer or handle.info.tokenizer))
         if tok.fingerprint != handle.info.fingerprint:
             raise FingerprintMismatch(f"store {store!r} was built with another tokenizer than {tok.spec!r}")
-        draft = handle.draft(tok.encode(text), max_nodes=max_nodes)
+        ids = tok.encode(text)
+        draft = handle.draft(ids, max_nodes=max_nodes)
+        used = handle.rule
     tokens = draft.tokens.tolist() if draft is not None else []
-    return TextLookup(draft=draft, pieces=[tok.hf.decode([int(t)]) for t in tokens])
+    suffix = ids[len(ids) - draft.n :] if draft is not None and draft.n else []
+    return TextLookup(
+        draft=draft,
+        pieces=[tok.hf.decode([int(t)]) for t in tokens],
+        rule=used,
+        suffix_ids=[int(t) for t in suffix],
+        suffix_pieces=[tok.hf.decode([int(t)]) for t in suffix],
+    )
 
 
 @dataclass

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from crest_client.draft import Draft
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 if TYPE_CHECKING:
+    from crest.bench.lookup import TextLookup
     from crest.ingest.pipeline import IngestSummary
 
 Advance = Callable[[int], None]
@@ -114,14 +115,17 @@ def print_summary(summary: IngestSummary) -> None:
     out.print(stages)
 
 
-def print_draft(draft: Draft | None, pieces: Sequence[str], *, as_json: bool = False) -> None:
-    """Print a draft tree with each node's token text and weight."""
+def print_draft(found: TextLookup, *, as_json: bool = False) -> None:
+    """Print a draft tree with the suffix it matched, the rule that picked it, and each node's text and weight."""
+    draft, pieces = found.draft, found.pieces
     if as_json:
         payload = (
             None
             if draft is None
             else {
                 "n": draft.n,
+                "rule": found.rule,
+                "suffix": {"tokens": found.suffix_ids, "text": found.suffix_pieces},
                 "tokens": draft.tokens.tolist(),
                 "parents": draft.parents.tolist(),
                 "weights": draft.weights.tolist(),
@@ -133,10 +137,14 @@ def print_draft(draft: Draft | None, pieces: Sequence[str], *, as_json: bool = F
     if draft is None or len(draft) == 0:
         out.print("no stored suffix matches the end of this text")
         return
-    root = Tree(f"[bold]matched suffix of {draft.n} token(s)[/bold], {len(draft)} nodes")
+    suffix = escape(" ".join(repr(p) for p in found.suffix_pieces))
+    root = Tree(
+        f"[bold]matched suffix {suffix}[/bold] ({draft.n} token(s), rule {found.rule}), {len(draft)} nodes; "
+        "node: text (id, weight)"
+    )
     nodes: list[Tree] = []
     for i, (parent, weight) in enumerate(zip(draft.parents.tolist(), draft.weights.tolist(), strict=True)):
-        label = f"{pieces[i]!r} [dim](id {int(draft.tokens[i])}, weight {weight})[/dim]"
+        label = f"{escape(repr(pieces[i]))} [dim](id {int(draft.tokens[i])}, weight {weight})[/dim]"
         nodes.append((root if parent < 0 else nodes[parent]).add(label))
     out.print(root)
 

@@ -79,8 +79,8 @@ def ingest(
     """
     from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
-    from crest.errors import ConfigError
     from crest.ingest.pipeline import ingest as run_ingest
+    from crest.ingest.publishing import check_ingest
 
     options = IngestOptions(
         max_n=max_n,
@@ -94,11 +94,8 @@ def ingest(
         single_n=single_n,
         blob_format=blob_format,
         keep=keep,
-    ).validate()
-    if engine == "spark" and keep != "count":
-        raise ConfigError("--engine spark keeps n-grams by count only: use --keep count or --engine inprocess")
-    if engine not in ("inprocess", "spark"):
-        raise ConfigError(f"unknown --engine {engine!r}: use inprocess or spark")
+    )
+    options = check_ingest(options, store=store, engine=engine, chunk_tokens=chunk_tokens, partitions=spark_partitions)
     if engine == "spark":
         from crest.ingest.spark import ingest_spark
 
@@ -138,15 +135,34 @@ def lookup(
         str | None, typer.Option("--tokenizer", "-t", help="Default: the tokenizer the store was built with.")
     ] = None,
     max_nodes: Annotated[int, typer.Option(help="Nodes of the tree to show.")] = 64,
+    rule: Annotated[
+        str | None,
+        typer.Option(
+            envvar="CREST_SUFFIX_RULE",
+            show_envvar=True,
+            help="Which stored suffix of TEXT drafts: expected (default; the one whose tree's first token is most "
+            "likely right, often a short, common suffix) or longest (the longest stored suffix).",
+        ),
+    ] = None,
     as_json: Json = False,
     dsn: Dsn = None,
 ) -> None:
-    """Show the draft tree stored for the longest suffix of TEXT (the heaviest nodes; weights are counts)."""
+    """Show the draft tree stored for a suffix of TEXT: the suffix the rule picks, then its tree (weights: counts).
+
+    The SDK drafts the same way (`Store.connect(rule=...)`); --rule longest shows the longest stored suffix's tree.
+    """
+    from crest_client.choice import resolve_rule
+
     from crest.bench.lookup import lookup_text
     from crest.cli.display import print_draft
+    from crest.errors import ConfigError, CrestClientError
 
-    found = lookup_text(database(dsn), store, text, tokenizer=tokenizer, max_nodes=max_nodes)
-    print_draft(found.draft, found.pieces, as_json=as_json)
+    try:
+        rule = resolve_rule(rule)
+    except CrestClientError as exc:
+        raise ConfigError(f"--rule: {exc}") from None
+    found = lookup_text(database(dsn), store, text, tokenizer=tokenizer, max_nodes=max_nodes, rule=rule)
+    print_draft(found, as_json=as_json)
 
 
 def stores(
