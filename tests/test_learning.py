@@ -161,6 +161,18 @@ def test_append_learned_rejects_bad_input_and_writes_nothing(db_dsn: str, lists:
     assert learned_count(db_dsn, "s") == 0
 
 
+def test_append_learned_writes_figures_and_any_part_and_refuses_bad_ones(db_dsn: str) -> None:
+    figures = [{"steps": 3, "accepted_tokens": 4, "accepted_live": 4, "accepted_dense": 2, "accepted_prompt": 0}, None]
+    assert append_learned(db_dsn, "s", [[1, 2], [3]], stats=figures) == 2
+    with psycopg.connect(db_dsn) as conn:
+        rows = conn.execute("SELECT steps, accepted_tokens, accepted_parts FROM crest_learned ORDER BY id").fetchall()
+    assert rows == [(3, 4, {"live": 4, "dense": 2}), (0, 0, {})]  # a part no migration knows; zeros left out
+    for bad in ({"accepted_Live": 1}, {"live": 1}, {"accepted_live": -1}, {"accepted_live": "x"}):
+        with pytest.raises(ConfigError, match="learned figures"):
+            append_learned(db_dsn, "t", [[7], [8]], stats=[{"steps": 1}, bad])
+    assert learned_count(db_dsn, "t") == 0
+
+
 def test_refresh_publishes_a_live_version_equal_to_an_ingest_of_the_same_documents(
     words: str, word_tokenizer_dir: Path, tmp_path: Path
 ) -> None:

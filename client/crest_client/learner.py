@@ -302,15 +302,18 @@ def split_stats(stats: Mapping[str, int]) -> tuple[tuple[int, ...], dict[str, in
             f"unknown learned figures {sorted(unknown)}; known: {', '.join(STATS)} and"
             f" {PART_PREFIX}<part> (a part's name: lowercase letters, digits, _)"
         )
-    values = tuple(_figure(stats.get(name, 0)) for name in STATS)
-    return values, {part: n for part, value in sorted(parts.items()) if (n := _figure(value))}
+    values = tuple(_figure(name, stats.get(name, 0)) for name in STATS)
+    return values, {part: n for part, value in sorted(parts.items()) if (n := _figure(PART_PREFIX + part, value))}
 
 
-def _figure(value: object) -> int:
+def _figure(name: str, value: object) -> int:
     """Return a figure as an int; raise ValueError unless it is an integer in 0..2**31-1."""
-    number = int(value)  # type: ignore[call-overload]
+    try:
+        number = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        number = -1
     if not 0 <= number <= 0x7FFFFFFF:
-        raise ValueError("learned figures must be integers in 0..2**31-1")
+        raise ValueError(f"learned figures must be integers in 0..2**31-1, got {name}={value!r}")
     return number
 
 
