@@ -36,7 +36,7 @@ from crest.drafters.trie import (
     merge_drafts,
     score_draft,
 )
-from crest.errors import ConfigError
+from crest.errors import ConfigError, CrestClientError
 
 BIG = 1 << 20  # token ids past 16 bits exercise the byte-wise row sort
 
@@ -469,3 +469,38 @@ def test_merged_drafter_learns_which_part_is_right() -> None:
     assert draft is not None and draft.paths()[0] == [target[k]]  # the oracle's path now leads
     assert merged.draft([1, 2, 3], 64) is not None  # a new request: nothing scored
     assert merged.scales() == (wrong, right)  # what was learned stays
+
+
+def test_a_registered_kind_runs_where_it_says_and_only_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new drafter is one `register` call: the server, generate and the benches then know it, where it may run."""
+    from crest.drafters import registry
+
+    monkeypatch.setattr(registry, "_KINDS", dict(registry._KINDS))
+    echo = registry.Kind("echo", (), lambda _: PromptDrafter(max_ngram=2), runs=frozenset({"serve", "vllm"}))
+    registry.register(echo)
+    assert "echo" in registry.names("serve") and "echo" not in registry.names("generate")
+    assert check_drafter(" ECHO", where="serve") == "echo"
+    assert isinstance(make_drafter("echo"), PromptDrafter)
+    with pytest.raises(ConfigError, match=r"here \(generate\).*none, prompt, rest"):
+        check_drafter("echo", where="generate")
+    with pytest.raises(ConfigError, match="taken"):
+        registry.register(echo)
+    with pytest.raises(ConfigError, match="unknown parts"):
+        registry.register(registry.Kind("gpu", ("a_gpu",), lambda _: NoneDrafter()))
+
+
+@pytest.mark.parametrize(
+    ("name", "where", "given", "error"),
+    [
+        ("rest", "serve", {}, r"unknown drafter 'rest' here \(serve\)"),
+        ("rest", "generate", {}, "needs --rest-index"),
+        ("crest+prompt", "vllm", {}, "needs --store NAME"),
+        ("crest", None, {"store": "not a name"}, "store name"),
+    ],
+    ids=["rest-not-served", "rest-without-index", "crest-without-store", "bad-store-name"],
+)
+def test_check_drafter_refuses_before_opening_anything(
+    name: str, where: str | None, given: dict[str, str], error: str
+) -> None:
+    with pytest.raises((ConfigError, CrestClientError), match=error):
+        check_drafter(name, where=where, **given)

@@ -340,3 +340,22 @@ def test_run_loop_survives_a_failing_step_and_drains(monkeypatch: pytest.MonkeyP
     check_exact([1, 2, 3], good.result(timeout=30).result.output_token_ids, 5, torch.float64)
     thread.join(30)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("seed", [3, 7], ids=["seed3", "seed7"])
+def test_a_batch_of_one_takes_the_generators_own_steps(seed: int) -> None:
+    """One `DraftPolicy`: a lone row sizes, backs off and probes exactly as the single-sequence generator does."""
+    dtype = torch.float64
+    prompt = [4, 5, 6, 7] * 3
+    cost = CostModel([1, 2, 4, 8], [1.0, 1.3, 1.6, 2.6])  # mild: what pays follows the learned acceptance
+    gen = SpeculativeGenerator(model(dtype), IdTokenizer(), cost=cost)
+    gen.eos_ids = {VOCAB - 1}
+    alone = gen.generate(prompt, drafter=OracleDrafter(prompt, 40, seed, dtype), max_new_tokens=40)
+    sched = Scheduler(model(dtype), IdTokenizer(), cost=cost, max_batch=1)
+    sched.gen.eos_ids = {VOCAB - 1}
+    got = drive(sched, [(0, Request(prompt, max_tokens=40, drafter=OracleDrafter(prompt, 40, seed, dtype)))])[0]
+    check_exact(prompt, got.result.output_token_ids, 40, dtype)
+    assert got.result.output_token_ids == alone.output_token_ids
+    assert got.result.accepted_per_step == alone.accepted_per_step
+    assert got.result.draft_tokens == alone.draft_tokens > 0
+    assert 0 < alone.forward_passes < alone.new_tokens  # the drafts were verified and some paid
