@@ -16,9 +16,9 @@ import pytest
 
 from crest.errors import EXIT_FAILURE, EXIT_USAGE
 from crest.ingest.tokenizer import load_tokenizer
+from tests.fix_cli import one_error_line, run
 from tests.fix_corpus import write_jsonl
-from tests.test_cli import one_error_line, run
-from tests.test_learning import OPTIONS, STATIC_TEXT
+from tests.fix_learning import OPTIONS, STATIC_TEXT
 
 pytest_plugins = ["tests.fix_corpus"]
 

@@ -23,7 +23,7 @@ from crest.learning import append_learned, refresh_live
 from crest.learning.incremental import read_learned
 from crest.learning.journal import read_window
 from tests.fix_corpus import make_word_tokenizer, write_jsonl
-from tests.test_learning import published, start_paused_refresh, version_rows, wait_until_unlocked
+from tests.fix_learning import published, start_paused_refresh, version_rows, wait_until_unlocked
 
 pytest_plugins = ["tests.fix_corpus"]
 

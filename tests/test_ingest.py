@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from crest.config import IngestOptions
 from crest.errors import EXIT_USAGE, ConfigError
 from crest.ingest.pipeline import ingest
 from crest.ingest.tokenizer import load_tokenizer
+from tests.fix_cli import run_cli
 
 SQL = Path(__file__).resolve().parent.parent / "sql"
 TEXT = [
@@ -39,13 +37,6 @@ def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "code.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT * 3))
     return path
-
-
-def run_cli(*args: str, dsn: str, home: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CREST_DATABASE_URL": dsn, **({"CREST_HOME": str(home)} if home else {})}
-    return subprocess.run(
-        [sys.executable, "-m", "crest.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:

@@ -9,13 +9,7 @@ appends from several processes lose nothing; the reader role may append to the l
 from __future__ import annotations
 
 import multiprocessing
-import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -29,7 +23,7 @@ from crest_client.codec import TokenTable, decode_tree
 from psycopg import sql
 
 from crest import db
-from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
+from crest.config import DEFAULT_LEARN_WINDOW
 from crest.db.roles import create_roles
 from crest.db.versions import refresh_lock_key
 from crest.errors import ConfigError, StoreNotFound
@@ -37,11 +31,10 @@ from crest.ingest.pipeline import ingest
 from crest.ingest.tokenizer import load_tokenizer
 from crest.learning import append_learned, forget, read_window, refresh_live
 from tests.fix_corpus import write_jsonl
+from tests.fix_learning import OPTIONS, STATIC_TEXT, published, start_paused_refresh, version_rows, wait_until_unlocked
 
 pytest_plugins = ["tests.fix_corpus"]
 
-OPTIONS = IngestOptions(top_t=1000, max_n=3, continuation_length=4)
-STATIC_TEXT = ["the cat sat on the mat", "a dog sat on a mat"]
 SERVED = ["the dog sat on the cat", "a cat sat on the dog", "the mat sat on a cat", "the dog sat on the mat"]
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 
@@ -59,12 +52,6 @@ def encode(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tok.encode(t) for t in texts]
 
 
-def version_rows(dsn: str, store_id: int) -> set[tuple[int, bytes, int, bytes]]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT n, key, count, tree FROM crest_ngrams WHERE store_id = %s", (store_id,)).fetchall()
-    return {(int(n), bytes(k), int(c), bytes(t)) for n, k, c, t in rows}
-
-
 def decoded_rows(dsn: str, store_id: int) -> set[tuple[int, bytes, int, tuple[tuple[int, ...], ...]]]:
     """Return a version's rows with each tree decoded with its own token table: (n, key, count, tree arrays)."""
     with psycopg.connect(dsn) as conn:
@@ -76,15 +63,6 @@ def decoded_rows(dsn: str, store_id: int) -> set[tuple[int, bytes, int, tuple[tu
         tree = decode_tree(blob, n=n, table=table)
         out.add((n, key, count, tuple(tuple(a.tolist()) for a in (tree.tokens, tree.parents, tree.weights))))
     return out
-
-
-def published(dsn: str, store: str) -> dict[str, int]:
-    """Return {tier: id} of the store's published versions."""
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT tier, id FROM crest_stores WHERE name = %s AND state = 'published'", (store,)
-        ).fetchall()
-    return {str(t): int(i) for t, i in rows}
 
 
 def table_exists(dsn: str, store_id: int) -> bool:
@@ -252,50 +230,6 @@ def test_refresh_needs_a_published_static_store(db_dsn: str) -> None:
     append_learned(db_dsn, "nothing", [[1, 2, 3]])
     with pytest.raises(StoreNotFound, match="no published store named 'nothing'"):
         refresh_live(db_dsn, "nothing")
-
-
-def start_paused_refresh(dsn: str, home: Path, stage: str) -> subprocess.Popen[str]:
-    """Start `crest refresh --store words` that pauses at `stage`; return it once it says so."""
-    env = {**os.environ, "CREST_DATABASE_URL": dsn, "CREST_HOME": str(home), "CREST_FAULT_PAUSE": stage}
-    args = [sys.executable, "-m", "crest.cli", "refresh", "--store", "words"]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    stderr = proc.stderr
-    assert stderr is not None
-
-    def pump() -> None:
-        for line in stderr:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline, said = time.monotonic() + 120, []
-    while time.monotonic() < deadline:
-        try:
-            said.append(lines.get(timeout=0.5))
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        if said[-1].strip() == f"crest-fault-pause {stage}":
-            return proc
-    proc.kill()
-    proc.wait()
-    pytest.fail(f"refresh never reached stage {stage!r}: {''.join(said)[-2000:]}")
-
-
-def wait_until_unlocked(dsn: str) -> None:
-    """Wait until no session holds a build's or a refresh's advisory lock (the server saw the kill)."""
-    deadline = time.monotonic() + 30
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = ANY(%s)",
-                ([0x4352, refresh_lock_key("words")[0]],),
-            ).fetchone()
-            if row == (0,):
-                return
-            time.sleep(0.05)
-    pytest.fail("the killed refresh's session still holds its locks")
 
 
 @pytest.mark.parametrize("stage", ["load", "publish"], ids=["load", "publish"])

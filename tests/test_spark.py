@@ -231,7 +231,7 @@ def test_missing_input_fails_before_any_work(db_dsn: str, spark: Any, tmp_path: 
 
 @pytest.mark.slow
 def test_cli_engine_spark(db_dsn: str, tmp_path: Path, smollm2_gguf: Path) -> None:
-    from tests.test_ingest import run_cli
+    from tests.fix_cli import run_cli
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": (STDLIB / "bisect.py").read_text()}])
     out = run_cli(
