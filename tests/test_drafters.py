@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,51 +36,9 @@ from crest.drafters.trie import (
     score_draft,
 )
 from crest.errors import ConfigError, CrestClientError
+from tests.fix_drafts import check_invariants, reference_tree, same
 
 BIG = 1 << 20  # token ids past 16 bits exercise the byte-wise row sort
-
-
-def check_invariants(draft: Draft | None, max_nodes: int) -> None:
-    """Assert what the verifier relies on: a valid tree in the stored order, at most `max_nodes` nodes."""
-    if draft is None:
-        return
-    draft.validate()
-    assert 0 <= len(draft) <= max_nodes
-    assert draft.tokens.dtype == np.int64 and draft.parents.dtype == np.int32 and draft.weights.dtype == np.int64
-    assert (np.diff(draft.weights) <= 0).all()
-    siblings = Counter(zip(draft.parents.tolist(), draft.tokens.tolist(), strict=True))
-    assert not siblings or max(siblings.values()) == 1  # no duplicate child tokens
-    has_parent = draft.parents >= 0
-    assert (draft.weights[draft.parents[has_parent]] >= draft.weights[has_parent]).all()
-    columns = (-draft.weights, draft.depths(), draft.tokens, draft.parents)
-    keys = list(zip(*(c.tolist() for c in columns), strict=True))
-    assert all(a < b for a, b in zip(keys, keys[1:], strict=False)), "nodes out of (weight, depth, token, parent) order"
-
-
-def reference_tree(conts: list[list[int]], tree_size: int, n: int = 0) -> Draft:
-    """Build the trie with dicts and place nodes greedily: the smallest (-weight, depth, token, parent) first."""
-    weight = Counter(tuple(c[:k]) for c in conts for k in range(1, len(c) + 1))
-    placed: dict[tuple[int, ...], int] = {}
-    while len(placed) < min(tree_size, len(weight)):
-        ready = [p for p in weight if p not in placed and (len(p) == 1 or p[:-1] in placed)]
-        best = min(ready, key=lambda p: (-weight[p], len(p), p[-1], placed.get(p[:-1], -1)))
-        placed[best] = len(placed)
-    paths = sorted(placed, key=placed.__getitem__)
-    return Draft(
-        np.array([p[-1] for p in paths], dtype=np.int64),
-        np.array([placed[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=np.int32),
-        np.array([weight[p] for p in paths], dtype=np.int64),
-        n,
-    )
-
-
-def same(a: Draft, b: Draft) -> bool:
-    return (
-        a.tokens.tolist() == b.tokens.tolist()
-        and a.parents.tolist() == b.parents.tolist()
-        and a.weights.tolist() == b.weights.tolist()
-        and a.n == b.n
-    )
 
 
 continuation_sets = st.lists(st.lists(st.integers(0, 4), max_size=7), max_size=14)
