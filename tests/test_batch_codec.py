@@ -11,7 +11,7 @@ from crest_client.errors import CodecError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_codec import trees
+from tests.fix_drafts import trees
 
 
 def _same(a: Draft, b: Draft) -> bool:

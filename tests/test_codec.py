@@ -9,18 +9,7 @@ from crest_client.errors import CodecError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-
-@st.composite
-def trees(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    vocab = draw(st.sampled_from([2, 255, 256, 257, 49152, 65536, 65537, 151936, 2**31]))
-    size = draw(st.integers(0, 300))
-    tokens = np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=size, max_size=size)), dtype=np.int64)
-    parents = np.array([draw(st.integers(-1, i - 1)) for i in range(size)], dtype=np.int32)
-    top = draw(st.sampled_from([1, 200, 255, 256, 70000, 2**40]))
-    weights = np.sort(np.array(draw(st.lists(st.integers(1, top), min_size=size, max_size=size)), dtype=np.int64))[
-        ::-1
-    ].copy()
-    return tokens, parents, weights, vocab
+from tests.fix_drafts import trees
 
 
 def _assert_same(draft: object, tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray) -> None:

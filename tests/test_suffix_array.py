@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from crest.drafters.suffix_array import RestDrafter, RestIndex, check_rest_index, sort_suffixes
 from crest.errors import ConfigError, CorpusError
 from tests.fix_corpus import corpora, flatten
-from tests.test_drafters import check_invariants, reference_tree, same
+from tests.fix_drafts import check_invariants, reference_tree, same
 
 
 def in_doc_key(tokens: np.ndarray, offsets: np.ndarray, pos: int, width: int) -> list[int]:
