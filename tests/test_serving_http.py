@@ -344,7 +344,7 @@ torch.set_num_threads(1)
 model = tiny_model("llama", vocab=64, max_positions=4096)
 sched = Scheduler(model, IdTokenizer(), cost=CostModel([1, 64], [1.0, 1.0]))
 engine = Engine(sched, IdTokenizer(), model_name="tiny", drafter="none")
-from crest.cli.serve import run_app
+from crest.serving.server import run_app
 try:
     run_app(create_app(engine), host="127.0.0.1", port={port}, log_level="warning")
 except KeyboardInterrupt:

@@ -32,9 +32,10 @@ from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.store import StoreDrafter
 from crest.ingest.pipeline import ingest
+from crest.learning.requests import path_length, request_stats, served_tokens
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
-from crest.serving.learning import LearnOptions, Refresher, path_length, request_stats, served_tokens
+from crest.serving.learning import LearnOptions, Refresher
 from crest.serving.metrics import ServerMetrics
 from crest.serving.scheduler import Request, Scheduler
 from tests.fix_models import tiny_model
@@ -81,7 +82,7 @@ def engine(model: Any, tokenizer: Any, dsn: str, learning: LearnOptions | None, 
 def complete(found: Engine, prompt: list[int], *, max_tokens: int = 16, learn: bool = True, **kw: Any) -> Any:
     """Return the outcome of one greedy request through the engine."""
     job = found.request(prompt, drafter=kw.pop("drafter", None), store=None, prediction=None, max_tokens=max_tokens)
-    return found.submit(job, store=None, learn=learn).result(timeout=120)
+    return found.submit(job, learn=learn).result(timeout=120)
 
 
 def learned(dsn: str) -> list[tuple[list[int], int, str]]:
@@ -279,15 +280,15 @@ def _crest(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], 
 def test_serve_learning_options_and_their_variables(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seen: list[dict[str, Any]] = []
-    monkeypatch.setattr("crest.cli.serve.run_serve", lambda **kw: seen.append(kw))
+    seen: list[Any] = []
+    monkeypatch.setattr("crest.serving.server.serve", lambda options, **kw: seen.append(options.learning))
     assert _crest(monkeypatch, capsys, "serve", "--store", "code")[0] == 0
     for key, value in {"CREST_LEARN": "false", "CREST_LEARN_WINDOW": "5000", "CREST_REFRESH_INTERVAL": "2.5",
                        "CREST_REFRESH_MIN_TOKENS": "7"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     assert _crest(monkeypatch, capsys, "serve", "--store", "code")[0] == 0
     assert _crest(monkeypatch, capsys, "serve", "--store", "code", "--learn", "--refresh-interval", "0")[0] == 0
-    picked = [(kw["learn"], kw["learn_window"], kw["refresh_interval"], kw["refresh_min_tokens"]) for kw in seen]
+    picked = [(o.record, o.window, o.refresh_interval, o.refresh_min_tokens) for o in seen]
     assert picked == [
         (True, DEFAULT_LEARN_WINDOW, 10.0, 2048), (False, 5000, 2.5, 7), (True, 5000, 0.0, 7)
     ]  # fmt: skip
@@ -400,3 +401,24 @@ def test_learned_rows_carry_their_requests_figures(tiny: Any, smollm2_tokenizer:
     for row in figures:  # every accepted token was held by some part, and no part held more than was accepted
         parts = [v for k, v in row.items() if k not in STATS] or [0]
         assert max(parts) <= row["accepted_tokens"] <= sum(parts)
+
+
+@pytest.mark.parametrize("drafter", ["prompt", "none", "crest+prompt"])
+def test_a_request_teaches_the_store_it_names_whatever_its_drafter(
+    tiny: Any, smollm2_tokenizer: Any, code_dsn: str, smollm2_gguf: Path, tmp_path: Path, drafter: str
+) -> None:
+    """{"store": "other", "drafter": "prompt"} teaches `other`, not the server's store, whatever it drafts from."""
+    corpus = tmp_path / "other.jsonl"
+    corpus.write_text(json.dumps({"text": CORPUS.replace("add", "mul")}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="other", tokenizer=str(smollm2_gguf), dsn=code_dsn, options=IngestOptions(top_t=100))
+    prompt = smollm2_tokenizer.hf.encode(PROMPT, add_special_tokens=False)
+    found = engine(tiny, smollm2_tokenizer, code_dsn, LearnOptions(refresh_interval=0))
+    try:
+        job = found.request(prompt, drafter=drafter, store="other", prediction=None, max_tokens=8)
+        assert job.store == "other" and bool(job.leases) == (drafter == "crest+prompt")
+        out = found.submit(job).result(timeout=120).result.output_token_ids
+    finally:
+        found.stop()  # writes what was queued
+    with psycopg.connect(code_dsn) as conn:
+        rows = conn.execute("SELECT store, tokens FROM crest_learned ORDER BY id").fetchall()
+    assert [(store, np.frombuffer(t, dtype="<u4").tolist()) for store, t in rows] == [("other", prompt[-MAX_N:] + out)]

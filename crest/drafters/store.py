@@ -221,3 +221,19 @@ def open_store(
             exc,
         )
         return PendingStore(connect, name=name, retry_interval=retry_interval)
+
+
+def check_store(name: str, *, dsn: str | None = None) -> None:
+    """Raise StoreNotFound unless `name` is published (at the read DSN); a database that does not answer passes.
+
+    Commands that load a model call this first, so a mistyped store costs no model load; a database that is
+    down is the store drafter's to report (it drafts nothing until the database answers).
+    """
+    import contextlib
+
+    from crest_client import Store
+
+    check_store_name(name)
+    with contextlib.suppress(ConnectionUnavailable):
+        url = resolve_read_dsn(dsn)
+        Store.connect(url, name, cache_size=0, pool_size=1, connect_timeout=CONNECT_TIMEOUT, live=False).close()

@@ -2,6 +2,7 @@
 
 from crest.serving.batch import BatchCache, TreeRow, check_batchable
 from crest.serving.scheduler import Outcome, QueueFull, Request, Scheduler, ShuttingDown
+from crest.serving.server import ServeOptions, build_app, run_app, serve
 
 __all__ = [
     "BatchCache",
@@ -9,7 +10,11 @@ __all__ = [
     "QueueFull",
     "Request",
     "Scheduler",
+    "ServeOptions",
     "ShuttingDown",
     "TreeRow",
+    "build_app",
     "check_batchable",
+    "run_app",
+    "serve",
 ]
