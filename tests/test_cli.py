@@ -113,6 +113,15 @@ def test_bad_drafter_is_refused_before_the_model_loads(tmp_path: Path, drafter: 
     assert done.returncode == EXIT_USAGE and ("unknown drafter 'magic'" in line or "needs --store" in line), line
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_missing_store_is_said_before_the_model_loads(
+    db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    args = [command, *(["x"] if command == "generate" else []), "--store", "nosuch", "--drafter", "crest"]
+    code, out, err = run(monkeypatch, capsys, *args, "--model", str(tmp_path / "no-model"), "--dsn", db_dsn)
+    assert code == EXIT_FAILURE and "no published store named 'nosuch'" in one_error_line(err), err
+
+
 READERS = [
     ("lookup", ["lookup", "--store", "s", "x"], EXIT_FAILURE, r"no published store named 's'"),
     ("drop", ["drop", "s"], EXIT_FAILURE, r"no published store named 's'"),

@@ -40,7 +40,7 @@ from crest.bench.datastores import (
     size_tag,
     stdlib_files,
 )
-from crest.config import KEEP_RULES, IngestOptions, resolve_model_spec
+from crest.config import KEEP_RULES, IngestOptions
 from crest.decoding.sizing import calibrate
 from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import make_drafter, names
@@ -452,7 +452,7 @@ def run_accept(
     from crest.bench.report import compare, write_markdown, write_plots
     from crest.bench.results import started_at, versions
     from crest.decoding.models import load_model
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.ingest.tokenizer import Tokenizer
 
     opts.validate()
     out.mkdir(parents=True, exist_ok=True)
@@ -462,7 +462,6 @@ def run_accept(
     prompts, chat = prepare_prompts(opts, corpus)
     if not prompts:
         raise CorpusError("no prompts to run")
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
     need_rest = "rest" in opts.drafters or opts.top_t == ()
     rest = (
         build_rest_indexes(
@@ -510,6 +509,7 @@ def run_accept(
                 crest.append(replace(built, top_t=t))
     note(f"datastores ready: {', '.join(v.name for v in (*rest, *crest))}")
     loaded = load_model(model, device=opts.device, dtype=opts.dtype)
+    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
     prompt_ids = [loaded.encode_prompt(p, chat=chat) for p in prompts]
     measured = measure(
         opts,

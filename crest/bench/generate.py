@@ -64,16 +64,15 @@ def bench_generate(
     run that is stopped early still leaves its figures. `on_progress` receives a line when the draft cost model
     has to be calibrated (not cached yet for this model, device, dtype and thread count).
     """
-    from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
     from crest.drafters.registry import open_drafter
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.ingest.tokenizer import Tokenizer
 
     check_run(prompts, max_new_tokens=max_new_tokens)
     loaded = load_model(model, device=device, dtype=dtype)
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
     sources = {
         name: open_drafter(name, store=store, rest_index=rest_index, dsn=dsn, fingerprint=fingerprint)
         for name in drafters

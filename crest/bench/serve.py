@@ -94,6 +94,7 @@ def drive(
             return None
 
     try:  # warm up this drafter's path (the store's statements, the prompt drafter)
+        model = next((card.id for card in client.models.list().data), model)  # the served model: others are a 404
         _stream(client, prompts[0], model=model, chat=chat, max_tokens=4, extra=extra)
     except Exception as exc:
         raise CrestError(f"the server at {url} did not answer a first request: {exc}") from None
@@ -393,14 +394,13 @@ def _baseline(
     """Load the model here, run the batch-1 baseline per drafter, and free the model before the server starts."""
     import gc
 
-    from crest.config import resolve_model_spec
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
     from crest.drafters.registry import open_drafter
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.ingest.tokenizer import Tokenizer
 
     loaded = load_model(model, device=device, dtype=dtype)
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
     sources = {name: open_drafter(name, store=store, dsn=dsn, fingerprint=fingerprint) for name in drafters}
     cost = calibrate(loaded.model, on_progress=note) if max_draft_tokens is None else None
     ids = [loaded.encode_prompt(text, chat=chat) for text in prompts]

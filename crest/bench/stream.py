@@ -28,13 +28,12 @@ class PreparedStream:
 
 
 def prepare_stream(opts: Any, *, model: str, dsn: str) -> PreparedStream:
-    """Load the prompts, check the store's static version against the model's tokenizer, load the model."""
+    """Load the prompts, find the store's static version, load the model and check its tokenizer against the store."""
     from crest import db
     from crest.bench.prompts import load_prompts
-    from crest.config import resolve_model_spec
     from crest.decoding.models import load_model
     from crest.errors import FingerprintMismatch, StoreNotFound
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.ingest.tokenizer import Tokenizer
 
     prompts = load_prompts(opts.prompts, limit=opts.limit)
     if not prompts:
@@ -44,9 +43,9 @@ def prepare_stream(opts: Any, *, model: str, dsn: str) -> PreparedStream:
     if version is None:
         raise StoreNotFound(f"no published store named {opts.store!r}")
     options = replace(static_options(version["params"]), top_t=DEFAULT_TOP_T, budget=None)  # refresh_live's defaults
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    loaded = load_model(model, device=opts.device, dtype=opts.dtype)
+    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
     if fingerprint != version["tokenizer_fingerprint"]:
         raise FingerprintMismatch(f"store {opts.store!r} was built with another tokenizer than model {model!r}")
-    loaded = load_model(model, device=opts.device, dtype=opts.dtype)
     prompt_ids = [loaded.encode_prompt(p, chat=opts.chat) for p in prompts]
     return PreparedStream(prompts, prompt_ids, loaded, version, options, str(fingerprint))

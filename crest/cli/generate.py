@@ -98,12 +98,12 @@ def run_generate(
 ) -> None:
     """Generate for one prompt or a file of prompts, printing text or JSON lines (each flushed)."""
     from crest.bench.prompts import read_prompts
-    from crest.config import resolve_model_spec
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
     from crest.drafters.registry import check_drafter, kind_of, open_drafter
+    from crest.drafters.store import check_store
     from crest.errors import ConfigError
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.ingest.tokenizer import Tokenizer
 
     if (prompt is None) == (prompts_file is None):
         raise ConfigError("give a PROMPT or --prompts FILE (one of them)")
@@ -113,8 +113,9 @@ def run_generate(
     texts = [prompt] if prompt is not None else list(read_prompts(str(prompts_file)))
     if "store" in kind_of(name).needs:
         _migrate_if_reachable(dsn)
+        check_store(str(store), dsn=read_dsn or dsn)  # a missing store is said before the model loads
     loaded = load_model(model, device=device, dtype=dtype)
-    fingerprint = load_tokenizer(resolve_model_spec(model)).fingerprint
+    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
     draft_source = open_drafter(name, store=store, rest_index=rest_index, dsn=read_dsn or dsn, fingerprint=fingerprint)
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens, on_progress=_note)
     for text in texts:
