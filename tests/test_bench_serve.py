@@ -22,9 +22,8 @@ from crest.config import IngestOptions
 from crest.errors import ConfigError
 from crest.ingest.pipeline import ingest
 from tests.fix_models import tiny_model
-from tests.test_serving_http import tiny_served  # noqa: F401  (fixture)
 
-pytest_plugins = ["tests.fix_corpus"]
+pytest_plugins = ["tests.fix_corpus", "tests.fix_serving"]
 
 CORPUS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 20
 PROMPTS = ["def add(a, b):\n    return", "def sub(a, b):\n"]
@@ -113,9 +112,9 @@ def test_targets_compare_against_none_and_batch_1() -> None:
     assert check_levels("16,1,4,4") == [1, 4, 16]
 
 
-def test_drive_a_running_server_by_url(tiny_served: Any, smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_drive_a_running_server_by_url(tiny_served: Any, smollm2_tokenizer: Any) -> None:
     from crest.bench.serve import run_serve_bench
-    from tests.test_serving_http import start
+    from tests.fix_serving import start
 
     running = start(tiny_served, smollm2_tokenizer, None, max_batch=4)
     try:

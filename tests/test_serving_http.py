@@ -17,80 +17,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
 from crest.serving.app import StopText, create_app
 from crest.serving.engine import Engine
 from crest.serving.scheduler import Scheduler
-from tests.fix_models import tiny_model
 from tests.fix_proxy import Proxy
+from tests.fix_serving import Running, flat_cost, start
 
-pytest_plugins = ["tests.fix_corpus"]
+pytest_plugins = ["tests.fix_corpus", "tests.fix_serving"]
 
 CORPUS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 20
-
-
-class Running:
-    """A server running in a thread: its base URL, engine and model."""
-
-    def __init__(self, app: Any, engine: Engine, model: Any, tokenizer: Any) -> None:
-        self.engine, self.model, self.tokenizer = engine, model, tokenizer
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
-
-    def reference(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
-        out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-        return [int(t) for t in out[0, len(prompt_ids) :]]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def tiny_served(smollm2_tokenizer: Any) -> Iterator[Any]:
-    """A tiny random llama over the SmolLM2 vocabulary, served on one torch thread (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield tiny_model("llama", vocab=len(smollm2_tokenizer.hf), max_positions=2048, dtype=torch.float64)
-    finally:
-        torch.set_num_threads(before)
-
-
-def start(model: Any, tokenizer: Any, dsn: str | None, *, store: str | None = None, **kw: Any) -> Running:
-    api_key = kw.pop("api_key", None)
-    sched = Scheduler(model, tokenizer.hf, cost=kw.pop("cost", None) or _flat(), **kw)
-    engine = Engine(
-        sched, tokenizer.hf, model_name="tiny", store=store, drafter="crest+prompt" if store else "prompt", dsn=dsn,
-        fingerprint=tokenizer.fingerprint,
-    )  # fmt: skip
-    return Running(create_app(engine, api_key=api_key), engine, model, tokenizer.hf)
-
-
-def _flat() -> Any:
-    from crest.decoding.sizing import CostModel
-
-    return CostModel([1, 64], [1.0, 1.0])
 
 
 @pytest.fixture
@@ -404,7 +342,7 @@ def test_database_down_at_start_then_back_then_down(
     info = psycopg.conninfo.conninfo_to_dict(db_dsn)
     proxy = Proxy(glob.glob(f"{info['host']}/.s.PGSQL.*")[0])
     dsn = f"postgresql://{info['user']}@127.0.0.1:{proxy.port}/{info['dbname']}"
-    sched = Scheduler(tiny_served, smollm2_tokenizer.hf, cost=_flat())
+    sched = Scheduler(tiny_served, smollm2_tokenizer.hf, cost=flat_cost())
     engine = Engine(sched, smollm2_tokenizer.hf, model_name="t", store="code", drafter="crest", dsn=dsn,
                     fingerprint=smollm2_tokenizer.fingerprint, retry_interval=0.2)  # fmt: skip
     running = Running(create_app(engine), engine, tiny_served, smollm2_tokenizer.hf)

@@ -15,7 +15,7 @@ import torch
 from crest.decoding.sizing import CostModel
 from crest.drafters import PromptDrafter
 from crest.serving.scheduler import Request, Scheduler
-from tests.test_serving_scheduler import drive
+from tests.fix_serving import drive
 
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -65,7 +65,7 @@ def test_smollm2_served_over_http_to_concurrent_clients(smollm2_model: Any, smol
     from crest.ingest.tokenizer import load_tokenizer
     from crest.serving.app import create_app
     from crest.serving.engine import Engine
-    from tests.test_serving_http import Running
+    from tests.fix_serving import Running
 
     model, tokenizer = smollm2_model.model, smollm2_model.tokenizer
     sched = Scheduler(model, tokenizer, max_batch=8, cost=CostModel([1, 64], [1.0, 1.0]))
