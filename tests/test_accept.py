@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from crest_client.draft import Draft
 
-from crest.bench.accept import AcceptOptions, matched_depth, replay, run_accept
+from crest.bench.accept import AcceptOptions, run_accept
+from crest.bench.replay import matched_depth, replay
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.registry import NAMES
 from crest.errors import ConfigError

@@ -18,10 +18,10 @@ from crest_client.codec import TokenTable, decode_tree
 from crest_client.draft import Draft
 
 from crest import db
-from crest.bench.accept import replay
-from crest.bench.adaptive import estimated_speedup, quiet_cpu_cost, replay_sized
+from crest.bench.adaptive import estimated_speedup, quiet_cpu_cost
 from crest.bench.learn import REST_ROW, ROWS, LearnOptions, learned_rows, make_row_drafter, stream
 from crest.bench.live_memory import LiveTrees, learned_window
+from crest.bench.replay import replay
 from crest.cli.app import main
 from crest.config import IngestOptions
 from crest.decoding.generator import SpeculativeGenerator
@@ -263,13 +263,14 @@ def test_adaptive_replay_takes_the_generators_own_steps() -> None:
         ref = plain.generate(prompt, max_new_tokens=48).output_token_ids
         drafter = _Oracle(ref, len(prompt), 64)
         got = gen.generate(prompt, drafter=drafter, max_new_tokens=48)
-        replayed = replay_sized(drafter, prompt, ref, policy=policy, max_new_tokens=48, max_positions=gen.max_positions)
+        replayed = replay(drafter, prompt, ref, policy=policy, max_new_tokens=48, max_positions=gen.max_positions)
         assert got.output_token_ids == ref
         assert (replayed.steps, sum(replayed.nodes)) == (got.forward_passes, got.draft_tokens)
         assert 0 < sum(replayed.nodes) < sum(len(drafter.draft(prompt + ref[:d], 64) or []) for d in range(len(ref)))
-    full = replay_sized(drafter, prompt, ref, max_new_tokens=48)  # no policy: the whole tree, as accept's replay
-    want = replay(drafter, prompt, ref, max_new_tokens=48)
-    assert (full.new_tokens, full.steps) == (want.new_tokens, want.steps)
+    full = replay(drafter, prompt, ref, max_new_tokens=48)  # no policy: every step verifies the whole tree
+    whole = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=64).generate(prompt, drafter=drafter,
+                                                                                     max_new_tokens=48)  # fmt: skip
+    assert (full.steps, sum(full.nodes)) == (whole.forward_passes, whole.draft_tokens)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from crest_client.draft import Draft
 
 from crest.bench.datastores import (
     Corpus,
@@ -40,11 +39,12 @@ from crest.bench.datastores import (
     size_tag,
     stdlib_files,
 )
+from crest.bench.references import Reference, known_references, record_references
+from crest.bench.replay import replay
 from crest.config import KEEP_RULES, IngestOptions
 from crest.decoding.sizing import calibrate
 from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import make_drafter, names
-from crest.drafters.trie import match_path
 from crest.errors import ConfigError, CorpusError
 
 SETTINGS = ("chat", "code")
@@ -103,48 +103,6 @@ class AcceptOptions:
         if min(self.max_new_tokens, self.max_nodes, self.max_n) < 1 or self.holdout < 0 or self.check < 0:
             raise ConfigError("--max-new-tokens, --max-nodes and --max-n must be positive")
         return self
-
-
-@dataclass
-class Replay:
-    """The steps a drafter's replay took over one continuation, and its draft latencies."""
-
-    new_tokens: int
-    steps: int
-    draft_seconds: list[float]
-
-
-def matched_depth(draft: Draft, truth: Sequence[int]) -> int:
-    """Return the depth of the longest draft path equal to a prefix of `truth` (what greedy verification accepts)."""
-    return len(match_path(draft, truth))
-
-
-def replay(
-    drafter: Drafter,
-    prompt_ids: Sequence[int],
-    output_ids: Sequence[int],
-    *,
-    max_nodes: int = 64,
-    max_new_tokens: int = 128,
-    max_positions: int = 1 << 30,
-) -> Replay:
-    """Replay greedy verification of `drafter`'s trees against the known greedy continuation `output_ids`."""
-    from crest.decoding.tree import limit_depth
-
-    prompt, out = [int(t) for t in prompt_ids], [int(t) for t in output_ids]
-    done, steps, latencies = 0, 0, []
-    while done < len(out):
-        context = prompt + out[:done]
-        room = min(max_positions - len(context) - 1, max_new_tokens - done - 1)
-        t0 = time.perf_counter()
-        draft = drafter.draft(context, max_nodes) if room > 0 else None
-        latencies.append(time.perf_counter() - t0)
-        accepted = 0
-        if draft is not None and len(draft):
-            accepted = matched_depth(limit_depth(draft.truncate(max_nodes), room), out[done:])
-        done += min(accepted, len(out) - done - 1) + 1
-        steps += 1
-    return Replay(len(out), steps, latencies)
 
 
 def prepare_corpus(opts: AcceptOptions, out: Path) -> Corpus:
@@ -241,12 +199,12 @@ def measure(
     gens = {_key(k): _generator(model, tokenizer, max_draft_tokens=opts.max_draft_tokens, cost=cost) for k in timed}
     fixed = _generator(model, tokenizer, max_draft_tokens=opts.max_nodes, cost=None)
     references: list[list[int]] = []
-    known = _known_references(out, loaded, prompt_ids, opts) if opts.timing == "none" else None
+    known = known_references(out, loaded, prompt_ids, opts) if opts.timing == "none" else None
     try:
         for i, ids in enumerate(prompt_ids):
             note(f"prompt {i + 1}/{len(prompt_ids)}: {len(ids)} tokens, {time.perf_counter() - started:.0f} s so far")
             if known is not None:  # M needs only the greedy continuation, which a previous run recorded
-                ref = _Reference(known["references"][i], len(known["references"][i]), known["seconds"][i])
+                ref = Reference(known["references"][i], len(known["references"][i]), known["seconds"][i])
             else:
                 ref = base.generate(ids, drafter=NoneDrafter(), max_new_tokens=opts.max_new_tokens)
             references.append(ref.output_token_ids)
@@ -296,7 +254,7 @@ def measure(
         for handle in (*stores.values(), *timing_stores.values()):
             handle.close()
     if known is None:
-        _record_references(out, loaded, prompt_ids, opts, references, base_seconds / max(1, len(prompt_ids)))
+        record_references(out, loaded, prompt_ids, opts, references, base_seconds / max(1, len(prompt_ids)))
     base_rate = base_tokens / max(base_seconds, 1e-9)
     rows = []
     for k in keys:
@@ -334,43 +292,6 @@ def measure(
             }
         )
     return {"rows": rows, "crosscheck": checks, "references": references}
-
-
-@dataclass
-class _Reference:
-    """A recorded plain greedy continuation, standing in for a generation result."""
-
-    output_token_ids: list[int]
-    new_tokens: int
-    seconds: float
-
-
-def _reference_key(loaded: Any, prompt_ids: list[list[int]], opts: AcceptOptions) -> str:
-    """Return what a recorded set of greedy continuations depends on: model, dtype, prompts and length."""
-    parts = [str(loaded.spec), opts.device, opts.dtype, str(opts.max_new_tokens), json.dumps(prompt_ids)]
-    return digest(parts)
-
-
-def _known_references(out: Path, loaded: Any, prompt_ids: list[list[int]], opts: AcceptOptions) -> Any:
-    """Return the greedy continuations recorded in `out` for these prompts, or None."""
-    try:
-        saved = json.loads((out / "references.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if saved.get("key") != _reference_key(loaded, prompt_ids, opts) or len(saved.get("references", [])) != len(
-        prompt_ids
-    ):
-        return None
-    return saved
-
-
-def _record_references(
-    out: Path, loaded: Any, prompt_ids: list[list[int]], opts: AcceptOptions, refs: list[list[int]], seconds: float
-) -> None:
-    """Record the greedy continuations (and the mean seconds of one) for later M-only runs on the same prompts."""
-    key = _reference_key(loaded, prompt_ids, opts)
-    body = {"key": key, "references": refs, "seconds": [seconds] * len(refs)}
-    (out / "references.json").write_text(json.dumps(body), encoding="utf-8")
 
 
 def _key(k: tuple[str, Variant | None]) -> str:

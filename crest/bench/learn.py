@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 from crest_client.draft import Draft
 
-from crest.bench.accept import AcceptOptions, _reference_key
-from crest.bench.adaptive import SizedReplay, estimated_speedup, quiet_cpu_cost, replay_sized
+from crest.bench.accept import AcceptOptions
+from crest.bench.adaptive import estimated_speedup, quiet_cpu_cost
 from crest.bench.live_memory import LiveTrees, learned_window
+from crest.bench.references import reference_key
+from crest.bench.replay import Replay, replay
 from crest.bench.stream import prepare_stream
 from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
 from crest.decoding.policy import DraftPolicy
@@ -154,11 +156,11 @@ def stream(
 
     names = (*ROWS, REST_ROW) if rest_index is not None else ROWS
     rest: Drafter | None = make_drafter(REST_ROW, rest_index=rest_index) if rest_index is not None else None
-    replays: dict[str, list[SizedReplay]] = {name: [] for name in names}
-    sized: dict[str, list[SizedReplay]] = {name: [] for name in names}
+    replays: dict[str, list[Replay]] = {name: [] for name in names}
+    sized: dict[str, list[Replay]] = {name: [] for name in names}
     sizers = {name: DraftPolicy(budget=opts.max_nodes, cost=cost) for name in names} if cost is not None else {}
     play = partial(
-        replay_sized, max_nodes=opts.max_nodes, max_new_tokens=opts.max_new_tokens, max_positions=max_positions
+        replay, max_nodes=opts.max_nodes, max_new_tokens=opts.max_new_tokens, max_positions=max_positions
     )
     per_request: list[dict[str, Any]] = []
     learned: list[list[int]] = []
@@ -200,7 +202,7 @@ def stream(
     }
 
 
-def _row(name: str, replays: list[SizedReplay], sized: list[SizedReplay], cost: CostModel | None) -> dict[str, Any]:
+def _row(name: str, replays: list[Replay], sized: list[Replay], cost: CostModel | None) -> dict[str, Any]:
     """Return one row of the table: M over the stream and the draft latency (ms) of its steps; adaptive M too."""
     tokens, steps = sum(r.new_tokens for r in replays), sum(r.steps for r in replays)
     seconds = [t for r in replays for t in r.draft_seconds]
@@ -280,7 +282,7 @@ def run_learn(
     static, options, fingerprint = prepared.version, prepared.options, prepared.fingerprint
     loaded, prompt_ids, prompts = prepared.loaded, prepared.prompt_ids, prepared.prompts
     base = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=0)
-    key = _reference_key(
+    key = reference_key(
         loaded, prompt_ids, AcceptOptions(max_new_tokens=opts.max_new_tokens, device=opts.device, dtype=opts.dtype)
     )
     out.mkdir(parents=True, exist_ok=True)
