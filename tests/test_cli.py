@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,30 @@ def test_a_missing_store_is_said_before_the_model_loads(
     args = [command, *(["x"] if command == "generate" else []), "--store", "nosuch", "--drafter", "crest"]
     code, out, err = run(monkeypatch, capsys, *args, "--model", str(tmp_path / "no-model"), "--dsn", db_dsn)
     assert code == EXIT_FAILURE and "no published store named 'nosuch'" in one_error_line(err), err
+
+
+FORWARD = """
+import torch, transformers
+{imports}
+from tests.fix_models import tiny_model
+model = tiny_model("llama", vocab=100, max_positions=64, dtype=torch.float32)
+model(torch.tensor([[1, 2, 3]]), past_key_values=transformers.DynamicCache(), use_cache=True)
+"""
+
+
+def test_model_calls_print_no_cache_deprecation_warning() -> None:
+    """transformers 5 warns on each forward given `past_key_values`: crest's model calls (generate, serve) do not."""
+
+    def stderr_of(imports: str) -> str:
+        args = [sys.executable, "-W", "always::FutureWarning", "-c", FORWARD.format(imports=imports)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    plain = stderr_of("")
+    if "past_key_values" not in plain:
+        pytest.skip(f"transformers {version('transformers')} does not warn about past_key_values")
+    assert "past_key_values" not in stderr_of("import crest.decoding")
 
 
 READERS = [

@@ -31,6 +31,10 @@ DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
+# transformers 5 renamed forward's `past_key_values` to `cache` and warns on every call that passes the old name,
+# the one every transformers crest supports (>= 4.45) takes: silence that one message, for every model call crest makes
+warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
+
 SUPPORTED = ("llama", "qwen2", "mistral")  # tested: llama (SmolLM2 and tiny), qwen2 and mistral (tiny)
 ATTENTION = ("sdpa", "eager")  # attention kernels that honour a custom 4-D additive mask
 
