@@ -1,13 +1,9 @@
-"""Replay with the adaptive draft size: each step verifies the prefix of the tree the generator's policy would keep.
+"""Pricing replayed steps: the pinned forward cost of SmolLM2-135M on this CPU, and the speedup it models.
 
-`SpeculativeGenerator` drafts through a `crest.decoding.policy.DraftPolicy`: it cuts every draft to the prefix that
-pays for its verification under the forward cost model, scaled by an acceptance correction learned from the steps
-it verified, backs off when nothing pays and verifies a small probe now and then. `replay_sized` is
-`crest.bench.accept.replay` driven by such a policy without a model (one policy per drafter, kept across the
-requests of a stream as one generator is across a server's requests; without one: the whole tree, as `replay`),
-and also returns the nodes verified per step, so that the cost model can price the steps: `estimated_speedup` is
-new tokens per modelled second against plain decoding (one token per forward of 1). `QUIET_CPU_COST` is the pinned
-curve measured for SmolLM2-135M on this CPU when it was quiet.
+`crest.bench.replay` replays a drafter with the generator's own `DraftPolicy` and returns the nodes verified per
+step; `estimated_speedup` prices those steps with a cost model: new tokens per modelled second against plain
+decoding (one token per forward of 1). `QUIET_CPU_COST` is the pinned curve measured for SmolLM2-135M on this CPU
+when it was quiet.
 """
 
 from __future__ import annotations
