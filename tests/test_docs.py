@@ -4,7 +4,8 @@ Blocks run in file order in one sandbox per file (a private CREST_HOME, so the e
 default database, and a working directory holding the files the examples name: `corpus.json`, `src/`,
 `questions.jsonl`). A block that cannot run here says so on the line above it with
 `<!-- not run by tests: REASON -->` (installs, Docker, hour-long benchmark runs); a test checks that every
-other block ran. In the set-up commands the `pip install` steps are left out: this suite runs inside that
+other block ran. A block tagged anything else than bash, python or a shown-only tag (text, json, sql, toml)
+fails, so a `sh` or `console` block cannot skip silently. In the set-up commands the `pip install` steps are left out: this suite runs inside that
 installed environment (tests/test_wheel.py installs crest from a wheel the same way).
 """
 
@@ -27,8 +28,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = r"(?:<!-- not run by tests: (?P<why>[^>]*?) -->\n)?"
-BLOCK = re.compile(MARK + r"^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```", re.S | re.M)
+BLOCK = re.compile(MARK + r"^```(?P<lang>[^`\n]*)\n(?P<body>.*?)^```", re.S | re.M)  # any info string
 RUN = ("bash", "python")
+SHOWN = ("text", "json", "sql", "toml")  # output and data, never commands: a `sh` or `console` block would be one
 
 
 @dataclass
@@ -111,6 +113,10 @@ def test_every_block_runs_or_says_why_not() -> None:
     """A bash or python block either runs in this suite or names the reason it does not."""
     assert RUNNABLE, "no runnable blocks found: the block pattern is broken"
     for block in ALL:
+        assert block.lang in RUN + SHOWN, (
+            f"{block.id}: a block tagged {block.lang!r} would never run; tag it one of {RUN} (run by this test) "
+            f"or {SHOWN} (shown only)"
+        )
         if block.lang in RUN and block.why is not None:
             assert block.why.strip(), f"{block.id}: a not-run marker needs a reason"
     readme = [b for b in RUNNABLE if b.path.name == "README.md"]
