@@ -5,8 +5,9 @@ default database, and a working directory holding the files the examples name: `
 `questions.jsonl`). A block that cannot run here says so on the line above it with
 `<!-- not run by tests: REASON -->` (installs, Docker, hour-long benchmark runs); a test checks that every
 other block ran. A block tagged anything else than bash, python or a shown-only tag (text, json, sql, toml)
-fails, so a `sh` or `console` block cannot skip silently. In the set-up commands the `pip install` steps are left out: this suite runs inside that
-installed environment (tests/test_wheel.py installs crest from a wheel the same way).
+fails, so a `sh` or `console` block cannot skip silently. In the set-up commands the `pip install` steps are
+left out: this suite runs inside that installed environment (tests/test_wheel.py installs crest from a wheel
+the same way).
 """
 
 from __future__ import annotations
