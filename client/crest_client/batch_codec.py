@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from crest_client.codec import _CLASS_BASE, _MASKS, _PARENT_BITS, _RANKED, MAX_NODES, TokenTable, decode_tree
+from crest_client._format import CLASS_BASE, MASKS, MAX_NODES, PARENT_BITS, RANKED
+from crest_client.codec import TokenTable, decode_tree
 from crest_client.draft import Draft
 
 _CLASS_BITS = np.array([4, 8, 12], dtype=np.int64)
@@ -45,7 +46,7 @@ def _header(blob: bytes, table: TokenTable | None) -> tuple[int, int, int, int, 
     if len(blob) < 4 or blob[0] != 2 or blob[1] & 0x80:
         return None
     flags = blob[1]
-    if bool(flags & _RANKED) != (table is not None) or blob[2] >= 0x80 or blob[2] == 0:
+    if bool(flags & RANKED) != (table is not None) or blob[2] >= 0x80 or blob[2] == 0:
         return None  # unranked blobs with a table, long counts, empty trees: the one-blob path
     count, pos = blob[2], 3
     widest = table.widest if table is not None else blob[pos]
@@ -87,7 +88,7 @@ def _decode_batch(
     windows = np.ndarray((len(buf) - 7,), "<i8", buf, 0, (1,))  # the 64-bit word at each byte
 
     def read(bits: np.ndarray, widths: np.ndarray) -> np.ndarray:
-        return (windows[bits >> 3] >> (bits & 7)) & _MASKS[widths]
+        return (windows[bits >> 3] >> (bits & 7)) & MASKS[widths]
 
     m = counts.shape[0]
     blob = np.repeat(np.arange(m), counts)  # [C] blob of each node
@@ -100,14 +101,14 @@ def _decode_batch(
     h = np.bincount(head_blob, minlength=m)  # [M] heads per blob
     head_rank = _segment_exclusive(np.ones_like(head_node), h)
     dropped = read(base[head_blob] + 3 * counts[head_blob] - 1 + head_rank, np.ones_like(head_node))
-    parent_bits = _PARENT_BITS[head_node]
+    parent_bits = PARENT_BITS[head_node]
     parents_at = 3 * counts - 1 + h  # [M] bit where the parents start, within the stream
     head_values = read(
         base[head_blob] + parents_at[head_blob] + _segment_exclusive(parent_bits, h), parent_bits
     )  # parent + 1
     token_bits = np.where(classes == 3, widest[blob], _CLASS_BITS[np.minimum(classes, 2)])
     tokens_at = parents_at + np.bincount(head_blob, weights=parent_bits, minlength=m).astype(np.int64)
-    ranks = read(origin + tokens_at[blob] + _segment_exclusive(token_bits, counts), token_bits) + _CLASS_BASE[classes]
+    ranks = read(origin + tokens_at[blob] + _segment_exclusive(token_bits, counts), token_bits) + CLASS_BASE[classes]
     steps_at = tokens_at + np.bincount(blob, weights=token_bits, minlength=m).astype(np.int64)
     drops = np.bincount(head_blob, weights=dropped, minlength=m).astype(np.int64)  # [M]
     end = steps_at + drops * step_bits

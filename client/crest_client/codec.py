@@ -20,11 +20,11 @@ import struct
 import lz4.block
 import numpy as np
 
+from crest_client._format import CLASS_BASE, CLASS_BITS, MASKS, MAX_NODES, PARENT_BITS, RANKED
 from crest_client.draft import Draft, empty_draft
 from crest_client.errors import CodecError
 
 VERSION = 2
-MAX_NODES = 0xFFFF
 _HEADER = struct.Struct("<BB")
 _COUNT = (struct.Struct("<B"), struct.Struct("<H"))
 _LONG = 0x80
@@ -32,11 +32,6 @@ _WIDTHS = (1, 2, 4, 8)
 _DTYPES = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
 _LZ4 = 0x01
 _ARANGE = np.arange(MAX_NODES + 1, dtype=np.int32)
-_RANKED = 0x01
-_CLASS_BITS = (4, 8, 12)  # token classes 0-2; class 3 takes the blob's widest width
-_CLASS_BASE = np.array([0, 16, 16 + 256, 16 + 256 + 4096], dtype=np.int64)
-_PARENT_BITS = np.array([i.bit_length() for i in range(MAX_NODES + 1)], dtype=np.int64)  # parent + 1 <= i
-_MASKS = (np.int64(1) << np.arange(58, dtype=np.int64)) - 1  # [w] the low w bits, w <= 57
 _PAD = bytes(8)  # after the stream, so a 64-bit window can start at its last byte
 _CLASS_LUT = (np.arange(256)[:, None] >> np.array([0, 2, 4, 6])) & 3  # [256, 4] the 2-bit classes in a byte
 _CLASS_LUTS: dict[int, np.ndarray] = {}  # widest -> [256, 4, 2] token width and offset of each class in a byte
@@ -67,7 +62,7 @@ class TokenTable:
         if np.unique(self.tokens).shape[0] != self.tokens.shape[0]:
             raise CodecError("a token table lists a token twice")
         self._ranks: np.ndarray | None = None
-        self.widest = max(0, len(self.tokens) - 1 - int(_CLASS_BASE[3])).bit_length()  # class 3's width
+        self.widest = max(0, len(self.tokens) - 1 - int(CLASS_BASE[3])).bit_length()  # class 3's width
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -185,8 +180,8 @@ def _class_lut(widest: int) -> np.ndarray:
     """Return the token width and offset of each of the four 2-bit classes of every byte: [256, 4, 2]."""
     lut = _CLASS_LUTS.get(widest)
     if lut is None:
-        widths = np.array([*_CLASS_BITS, widest], dtype=np.int64)
-        lut = _CLASS_LUTS[widest] = np.stack((widths[_CLASS_LUT], _CLASS_BASE[_CLASS_LUT]), axis=-1)
+        widths = np.array([*CLASS_BITS, widest], dtype=np.int64)
+        lut = _CLASS_LUTS[widest] = np.stack((widths[_CLASS_LUT], CLASS_BASE[_CLASS_LUT]), axis=-1)
     return lut
 
 
@@ -196,11 +191,11 @@ def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, tab
         ranks, widest = table.ranks_of(tokens), table.widest
     else:
         ranks = tokens
-        widest = max(0, int(ranks.max()) - int(_CLASS_BASE[3])).bit_length() if count else 0
+        widest = max(0, int(ranks.max()) - int(CLASS_BASE[3])).bit_length() if count else 0
     if widest > 0x1F:
         raise CodecError("a token id or rank needs more than 31 bits")
     if count == 0:
-        return bytes((2, _RANKED if table is not None else 0, 0)) + (b"" if table is not None else b"\x00")
+        return bytes((2, RANKED if table is not None else 0, 0)) + (b"" if table is not None else b"\x00")
     idx = np.arange(1, count)
     chain = (parents[1:] == idx - 1) & (weights[1:] == weights[:-1])  # [C-1] same run as the previous node
     heads = idx[~chain]  # [H]
@@ -209,18 +204,18 @@ def _encode_v2(tokens: np.ndarray, parents: np.ndarray, weights: np.ndarray, tab
     step_bits = int(steps.max()).bit_length() if steps.size else 0
     if step_bits > _MAX_STEP_BITS:
         raise CodecError(f"a tree weight step needs more than {_MAX_STEP_BITS} bits")
-    cls = np.searchsorted(_CLASS_BASE, ranks, side="right") - 1  # [C] 0..3
+    cls = np.searchsorted(CLASS_BASE, ranks, side="right") - 1  # [C] 0..3
     bits = np.concatenate(
         (
             _pack(cls, np.full(count, 2, dtype=np.int64)),
             chain.astype(np.uint8),
             (drops > 0).astype(np.uint8),
-            _pack(parents[heads] + 1, _PARENT_BITS[heads]),
-            _pack(ranks - _CLASS_BASE[cls], np.array([*_CLASS_BITS, widest], dtype=np.int64)[cls]),
+            _pack(parents[heads] + 1, PARENT_BITS[heads]),
+            _pack(ranks - CLASS_BASE[cls], np.array([*CLASS_BITS, widest], dtype=np.int64)[cls]),
             _pack(steps, np.full(steps.shape[0], step_bits, dtype=np.int64)),
         )
     )
-    flags = (_RANKED if table is not None else 0) | (step_bits << 1)
+    flags = (RANKED if table is not None else 0) | (step_bits << 1)
     head = bytes((2, flags)) + _varint(count) + (b"" if table is not None else bytes((widest,)))
     return head + _varint(int(weights[0])) + np.packbits(bits, bitorder="little").tobytes()
 
@@ -232,7 +227,7 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
         raise CodecError("tree blob has unknown flags set")
     step_bits = (flags >> 1) & 0x3F
     count, pos = (data[2], 3) if len(data) > 2 and data[2] < 0x80 else _read_varint(data, 2)
-    if flags & _RANKED:
+    if flags & RANKED:
         if table is None:
             raise CodecError("tree blob stores token ranks; decoding it needs the store's token table")
         widest = table.widest
@@ -263,7 +258,7 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
     lut = _CLASS_LUTS.get(widest)
     lut = _class_lut(widest) if lut is None else lut
     classes = lut.take(quads, axis=0).reshape(-1, 2)[:count]  # [C, 2] token width, token offset
-    widths = np.concatenate(((3 * count - 1 + h,), _PARENT_BITS[heads], classes[:, 0]))
+    widths = np.concatenate(((3 * count - 1 + h,), PARENT_BITS[heads], classes[:, 0]))
     ends = widths.cumsum()  # [1 + H + C]: where the parents, then the tokens start, then the steps' offset
     steps_at = int(ends[-1])
     end = steps_at + drops * step_bits
@@ -274,7 +269,7 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
     starts = ends[:-1]  # [H + C]
     # [B + 1] the 64-bit word at each byte of the stream (a 0-bit last field starts at byte B)
     windows = np.ndarray((size + 1,), "<i8", buf, pos, (1,))
-    values = (windows[starts >> 3] >> (starts & 7)) & _MASKS[widths[1:]]  # width + shift <= 64, so sign bits drop out
+    values = (windows[starts >> 3] >> (starts & 7)) & MASKS[widths[1:]]  # width + shift <= 64, so sign bits drop out
     head_parents = values[:h]  # parent + 1
     if np.count_nonzero(head_parents > heads):
         raise CodecError("tree blob has a node before its parent")
@@ -298,7 +293,7 @@ def _decode_v2(data: bytes, n: int, table: TokenTable | None) -> Draft:
         weights = np.array(levels, dtype=np.int64).repeat(runs)
     else:
         weights = np.full(count, first, dtype=np.int64)
-    if flags & _RANKED:
+    if flags & RANKED:
         assert table is not None
         try:
             tokens = table.tokens.take(ranks)

@@ -4,11 +4,13 @@ A store name has one published static version (built by `crest ingest`) and at m
 version (built from what the store learned from served requests, `crest refresh`); both are rows of
 `crest_stores` told apart by `tier`. `read_info` reads one tier's published version; the token table that tree
 blobs' ranks index and the filter of stored keys are read once per version (a version's data never changes),
-so re-reading a version the caller already knows costs one small query.
+so re-reading a version the caller already knows costs one small query. `read_live` reads the live tier when
+it was built with the static tier's tokenizer.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from psycopg_pool import PoolTimeout
 from crest_client.codec import TokenTable
 from crest_client.errors import CodecError, ConnectionUnavailable, StoreNotFound
 from crest_client.keyfilter import KeyFilter
+
+log = logging.getLogger(__name__)
 
 TIERS = ("static", "live")
 
@@ -113,3 +117,20 @@ def read_data(
         return table, KeyFilter.from_bytes(row[1]) if row[1] is not None else None
     except CodecError as exc:
         raise CodecError(f"store {name!r} has a corrupt token table or key filter: {exc}") from None
+
+
+def read_live(connection: Connection, name: str, static: StoreInfo, *, data_timeout: float) -> StoreInfo | None:
+    """Return the store's published live tier when it has one built with the static tier's tokenizer."""
+    try:
+        live = read_info(connection, name, tier="live", data_timeout=data_timeout)
+    except StoreNotFound:
+        return None
+    same = (live.fingerprint, live.vocab_size, live.token_width) == (
+        static.fingerprint,
+        static.vocab_size,
+        static.token_width,
+    )
+    if not same:
+        log.warning("store %r: its live tier was built with another tokenizer; ignored", name)
+        return None
+    return live

@@ -1,13 +1,14 @@
-"""The lookup statements and the keys they probe.
+"""The lookup statements and the keys they probe: one rule for a single context and for a batch.
 
-A single context is looked up with `probe_sql`: a UNION ALL of single-key probes of one version's partition,
-longest first, under LIMIT 1, so the server stops at the first hit (each probe an O(1) hash-index scan). Many
-contexts (a server's batch) are looked up with `batch_sql`: one statement whose two array parameters list
-(context index, key) pairs for every candidate suffix of every context; a nested loop of hash-index probes
-joins them to the partition and DISTINCT ON keeps each context's longest hit. With a live tier the statement
-holds a second such part over the live version's partition, so one round trip returns both candidates.
-`batch_keys` builds the pairs for a batch with a few numpy operations: each context's suffix hashes, the
-version's key filter, and the big-endian keys of the suffixes it may hold.
+`candidate_keys` lists, for each context of a batch, the keys of its suffixes (longest first) that the version's
+key filter may hold: one pass per tail hashes every suffix and tests the filter (a stored key always passes), so
+a context none of whose suffixes passes costs no probe. A single lookup is a batch of one. `lookup_sql` returns
+the statement for a batch: for one context in one version, a UNION ALL of single-key probes longest first under
+LIMIT 1 (`probe_sql`; the server stops at the first hit, each probe an O(1) hash-index scan); otherwise
+`batch_sql`, whose two array parameters list the (context index, key) pairs of every version looked up, joined
+to the partition by a nested loop of hash-index probes, DISTINCT ON keeping each context's longest hit. With a
+live tier the statement holds a second part over the live version's partition, so one round trip returns both
+candidates. Every statement's rows are (context index, part, n, count, tree).
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ import numpy as np
 import psycopg
 from psycopg import pq
 
-from crest_client.keyfilter import suffix_hashes_many
+from crest_client.keyfilter import MUL, SEED
 
 
 def probe_sql(store_id: int, probes: int, *, every: bool = False) -> str:
-    """Return the one-round-trip lookup of `probes` keys of a store version, longest first.
+    """Return the one-round-trip lookup of one context's `probes` keys in a store version, longest first.
 
-    Rows (n, tree): the first hit only, the server stopping there; with `every`, rows (n, count, tree) of every
-    stored key, for a rule that weighs them.
+    Rows (context index 0, part 0, n, count, tree): the first hit only, the server stopping there; with `every`,
+    every stored key's row, for a rule that weighs them.
     """
-    columns = "n, count, tree" if every else "n, tree"
-    probe = f"(SELECT {columns} FROM crest_ngrams_s{int(store_id)} WHERE key = %s)"
+    probe = f"(SELECT 0, 0, n, count, tree FROM crest_ngrams_s{int(store_id)} WHERE key = %s)"
     return " UNION ALL ".join([probe] * probes) + ("" if every else " LIMIT 1")
 
 
@@ -51,30 +51,47 @@ def batch_sql(version_ids: Sequence[int], *, every: bool = False) -> str:
     return " UNION ALL ".join(parts)
 
 
-def batch_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int], list[bytes]]:
-    """Return (context index, key) pairs of every suffix of each tail that the version may hold."""
+def lookup_sql(version_ids: Sequence[int], probes: int | None, *, every: bool = False) -> tuple[str, str]:
+    """Return (prepared statement name, SQL) looking up one context's `probes` keys, or a batch when None."""
+    how = "every" if every else "first"
+    if probes is not None and len(version_ids) == 1:
+        return f"crest_{how}_s{int(version_ids[0])}_{probes}", probe_sql(version_ids[0], probes, every=every)
+    return f"crest_batch_{how}_s{'_'.join(map(str, version_ids))}", batch_sql(version_ids, every=every)
+
+
+def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int], list[bytes]]:
+    """Return (context index, key) pairs of every suffix of each tail that the version may hold, longest first.
+
+    A tail with a token outside the vocabulary has none; `info` is a `StoreInfo` (max_n, token_width,
+    vocab_size, key_filter).
+    """
     max_n, width, vocab = info.max_n, info.token_width, info.vocab_size
-    lengths = np.fromiter((min(len(t), max_n) for t in tails), dtype=np.int64, count=len(tails))  # [B]
-    grid = np.zeros((len(tails), max_n), dtype=np.int64)  # [B, max_n] right-aligned tails
-    for r, tail in enumerate(tails):
-        if lengths[r]:
-            grid[r, max_n - lengths[r] :] = tail[-int(lengths[r]) :]
-    ks = np.arange(1, max_n + 1)
-    usable = ks[None, :] <= lengths[:, None]  # [B, max_n] column k - 1: the last k tokens exist
-    outside = ((grid < 0) | (grid >= vocab)) & (np.arange(max_n)[None, :] >= max_n - lengths[:, None])
-    usable &= ~outside.any(axis=1, keepdims=True)  # a token outside the vocabulary: no lookup
     found = info.key_filter
-    if found is not None:
-        usable &= found.contains_many(suffix_hashes_many(grid))
-    raw = grid.astype(f">u{width}").tobytes()
-    row_bytes = max_n * width
+    code = _STRUCT_CODES.get(width)
     index: list[int] = []
     keys: list[bytes] = []
-    for r, k in zip(*np.nonzero(usable[:, ::-1]), strict=True):  # longest first within a context
-        end = (int(r) + 1) * row_bytes
-        index.append(int(r))
-        keys.append(raw[end - (max_n - int(k)) * width : end])
+    for i, whole in enumerate(tails):
+        tail = [int(t) for t in whole[-max_n:]]
+        m = len(tail)
+        if not m or min(tail) < 0 or max(tail) >= vocab:
+            continue
+        raw = struct.pack(f">{m}{code}", *tail) if code else b"".join([t.to_bytes(width, "big") for t in tail])
+        h, starts = SEED, []
+        for k in range(m - 1, -1, -1):  # suffixes shortest first: the hash of tail[k:] extends that of tail[k+1:]
+            h = ((h ^ tail[k]) * MUL) & _M64
+            h ^= h >> 31
+            if found is None or h in found:
+                starts.append(k)
+        for k in reversed(starts):  # longest first
+            index.append(i)
+            keys.append(raw[k * width :])
     return index, keys
+
+
+batch_keys = candidate_keys  # the name earlier releases exported
+
+_STRUCT_CODES = {1: "B", 2: "H", 4: "I"}  # big-endian token widths struct packs in one call
+_M64 = (1 << 64) - 1
 
 
 INT4_ARRAY, BYTEA_ARRAY = 1007, 1001  # type oids of the batch statement's parameters

@@ -23,7 +23,7 @@ import psycopg
 from crest_client import Store
 from crest_client.batch_codec import decode_trees
 from crest_client.draft import Draft
-from crest_client.lookup import batch_keys, probe_sql
+from crest_client.lookup import candidate_keys, probe_sql
 
 from crest.config import check_store_name, resolve_model_spec
 from crest.db.versions import ngram_table, session
@@ -224,7 +224,7 @@ def bench_batch(
             whole.append(time.perf_counter() - t0)
             found += sum(d is not None for d in drafts)
             t0 = time.perf_counter()
-            batch_keys([ctx[-handle.info.max_n :] for ctx in group], handle.info)
+            candidate_keys([ctx[-handle.info.max_n :] for ctx in group], handle.info)
             keys.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             decode_trees([tree for _, tree in rows], [n for n, _ in rows], table=handle.info.table)
@@ -257,8 +257,8 @@ def _stored_trees(dsn: str, handle: Store, groups: list[list[list[int]]]) -> lis
                 if not keys:
                     continue
                 row = conn.execute(probe_sql(handle.info.id, len(keys)), keys, binary=True).fetchone()
-                if row is not None:
-                    rows.append((int(row[0]), bytes(row[1])))
+                if row is not None:  # (0, 0, n, count, tree)
+                    rows.append((int(row[2]), bytes(row[4])))
             out.append(rows)
     return out
 

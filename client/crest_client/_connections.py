@@ -1,0 +1,204 @@
+"""The SDK's connections to one database: a psycopg pool whose connections stay out of it between lookups.
+
+`open_pool` opens the pool a `Store` reads through (a plain first attempt, so a database that is down fails at once
+with its reason; `statement_timeout` set to the lookup timeout on every connection). `Connections` lends its
+connections: kept ones first, another from the pool while fewer than its size are out (a pool check-out costs
+10-25 us), a failed one handed back so the pool replaces it. `run_prepared` runs a prepared statement on libpq
+directly (psycopg's cursor layer costs ~40 us) and waits for its result until the lookup timeout on the client's
+clock, closing a connection whose server stopped answering. A private module with public names: `Store` is
+built on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import select
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import pq
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from crest_client.errors import ConnectionUnavailable
+from crest_client.lookup import check_result
+
+POOL_PREFIX = "crest-client-"  # the names of the SDK's pools, whose failures `Store` reports itself, once
+
+
+def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_timeout: float) -> ConnectionPool:
+    """Open the pool of store `name`'s readers; raise ConnectionUnavailable (with the reason) when none connects."""
+    try:  # one plain attempt first: a down database fails at once, with its reason, and no pool retries
+        psycopg.connect(dsn, connect_timeout=max(2, math.ceil(connect_timeout))).close()
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}: {reason}") from None
+    timeout_ms = max(1, int(timeout * 1000))
+
+    def configure(conn: psycopg.Connection[Any]) -> None:
+        conn.execute(f"SET statement_timeout = {timeout_ms}")
+        conn.commit()
+
+    pool = ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max(1, pool_size),
+        open=False,
+        configure=configure,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "application_name": "crest-client"},
+        timeout=connect_timeout,
+        reconnect_timeout=0,
+        name=f"{POOL_PREFIX}{name}",
+    )
+    try:
+        pool.open(wait=True, timeout=connect_timeout)
+    except PoolTimeout:
+        pool.close()
+        raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
+    return pool
+
+
+class Connections:
+    """Lends a pool's connections for lookups, each bounded by the lookup timeout."""
+
+    def __init__(self, pool: ConnectionPool, *, timeout: float) -> None:
+        self.pool = pool
+        self.timeout = float(timeout)
+        self._idle: list[psycopg.Connection[Any]] = []  # connections kept out of the pool for lookups
+        self._out = 0  # connections taken from the pool: idle or in use
+        self._kept = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._prepared: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+
+    def take(self) -> psycopg.Connection[Any]:
+        """Take a kept connection, or one more from the pool while fewer than its size are out."""
+        deadline = time.monotonic() + self.timeout
+        with self._kept:
+            while not self._idle:
+                if self._out < self.pool.max_size:
+                    self._out += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._kept.wait(left):
+                    raise PoolTimeout(f"no connection free within {self.timeout:g} s")
+            else:
+                return self._idle.pop()
+        try:
+            return self.pool.getconn(timeout=self.timeout)
+        except BaseException:
+            self.drop(None)
+            raise
+
+    def keep(self, conn: psycopg.Connection[Any]) -> None:
+        """Keep a connection that served a statement for the next one."""
+        with self._kept:
+            self._idle.append(conn)
+            self._kept.notify()
+
+    def drop(self, conn: psycopg.Connection[Any] | None) -> None:
+        """Hand a connection that failed back to the pool, which replaces it if it is broken."""
+        if conn is not None:
+            self.pool.putconn(conn)
+        with self._kept:
+            self._out -= 1
+            self._kept.notify()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """Lend a kept connection for a statement."""
+        conn = self.take()
+        try:
+            yield conn
+        except BaseException:
+            self.drop(conn)
+            raise
+        self.keep(conn)
+
+    def run_prepared(self, name: bytes, query: bytes, types: Sequence[int], values: Sequence[bytes]) -> Any:
+        """Run prepared statement `name` (prepared from `query` on first use per connection) with binary values."""
+        conn = self.take()
+        try:
+            prepared = self._prepared.get(conn)
+            if prepared is None:
+                with self._lock:
+                    prepared = self._prepared.setdefault(conn, set())
+            pgconn = conn.pgconn
+            if name not in prepared:
+                check_result(pgconn.prepare(name, query, list(types)))
+                prepared.add(name)
+            pgconn.send_query_prepared(name, list(values), param_formats=[1] * len(values), result_format=1)
+            res = check_result(self.wait(conn))
+        except BaseException:
+            self.drop(conn)
+            raise
+        self.keep(conn)
+        return res
+
+    def run_params(self, query: bytes, values: Sequence[bytes]) -> Any:
+        """Run an unprepared statement with text values; return its libpq result."""
+        with self.connection() as conn:
+            conn.pgconn.send_query_params(query, list(values))
+            return check_result(self.wait(conn))
+
+    def wait(self, conn: psycopg.Connection[Any]) -> Any:
+        """Wait for the result of the query sent on `conn` until the lookup timeout; close `conn` past it.
+
+        The server's statement_timeout bounds a slow query; this bounds a server that stopped answering: the
+        connection is then closed (the pool replaces it) and the lookup fails.
+        """
+        pgconn = conn.pgconn
+        deadline = time.monotonic() + self.timeout
+        result = None
+        while True:
+            while True:
+                sending = pgconn.flush()
+                if not sending and not pgconn.is_busy():
+                    break
+                left = deadline - time.monotonic()
+                fd = pgconn.socket
+                ready = select.select([fd], [fd] if sending else [], [], max(0.0, left)) if left > 0 else ([], [])
+                if not ready[0] and not ready[1]:
+                    conn.close()
+                    raise psycopg.OperationalError(f"no answer within {self.timeout:g} s; connection closed")
+                if ready[0]:
+                    pgconn.consume_input()
+            res = pgconn.get_result()
+            if res is None:
+                return result
+            if result is None or res.status != pq.ExecStatus.TUPLES_OK:
+                result = res
+
+    def close(self) -> None:
+        """Hand the kept connections back and close the pool."""
+        with self._kept:
+            idle, self._idle = self._idle, []
+            self._out -= len(idle)
+        for conn in idle:
+            self.pool.putconn(conn)
+        self.pool.close()
+
+
+class OwnPoolRecords(logging.Filter):
+    """Drops psycopg_pool's records about the SDK's pools: `Store` reports their failures itself, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(is_own_pool(arg) for arg in args)
+
+
+def is_own_pool(value: object) -> bool:
+    """Return whether `value` is one of the SDK's pools, its name, or a connection or task of one."""
+    if isinstance(value, str):
+        return value.startswith(POOL_PREFIX)
+    pool = getattr(value, "_pool", None) or getattr(value, "pool", None) or value  # a connection, a task, a pool
+    if isinstance(pool, weakref.ref):
+        pool = pool()
+    return str(getattr(pool, "name", "")).startswith(POOL_PREFIX)
+
+
+logging.getLogger("psycopg.pool").addFilter(OwnPoolRecords())
