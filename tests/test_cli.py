@@ -312,6 +312,18 @@ def test_db_queries_run_every_shipped_query(
     assert code == EXIT_USAGE and "no query 'nope'" in one_error_line(err)
 
 
+def test_a_reader_that_goes_away_is_exit_0(db_dsn: str, tmp_path: Path) -> None:
+    """`crest ... | head -1`: the pipe closes while crest still writes; that is no error."""
+    many = tmp_path / "many.sql"
+    many.write_text("-- Many rows.\nSELECT i FROM generate_series(1, 200000) AS i\n")  # far more than a pipe holds
+    args = [sys.executable, "-m", "crest.cli", "db", "query", str(many), "--json", "--dsn", db_dsn]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline()) == {"i": 1}
+    proc.stdout.close()
+    assert (proc.wait(120), proc.stderr.read()) == (0, "")
+
+
 def test_server_stop_says_nothing_on_stderr_without_xdg_runtime_dir(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"} | {"CREST_HOME": str(tmp_path)}
     done = subprocess.run(

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from crest.config import IngestOptions
-from crest.errors import CorpusError, CrestError
+from crest.errors import ConfigError, CorpusError, CrestError
 from crest.ingest.pipeline import ingest
 from crest.ingest.spark_tasks import (
     Sample,
@@ -246,3 +246,13 @@ def test_cli_engine_spark(db_dsn: str, tmp_path: Path, smollm2_gguf: Path) -> No
     bad = run_cli("ingest", str(corpus), "-s", "cli", "-t", str(smollm2_gguf), "--engine", "nope", dsn=db_dsn)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     json.dumps(row[0])
+
+
+@pytest.mark.parametrize("keep", ["savings", "marginal"])
+def test_keep_other_than_count_is_refused_before_any_work(db_dsn: str, tmp_path: Path, keep: str) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "a b c"}])
+    options = IngestOptions(top_t=5, keep=keep)
+    with pytest.raises(ConfigError, match=f"--engine spark keeps n-grams by count only, not by '{keep}'"):
+        ingest_spark([str(corpus)], store="s", tokenizer="no-such-tokenizer", dsn=db_dsn, options=options)
+    with psycopg.connect(db_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM crest_stores").fetchone() == (0,)  # no version begun

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 from crest.cli.bench_commands import bench_app, rest_app
 from crest.cli.db_commands import db_app, server_app
@@ -26,12 +27,25 @@ from crest.cli.serve import serve
 from crest.cli.store_commands import drop, ingest, lookup, stores
 from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, CrestClientError, exit_code
 
+
+class _Commands(TyperGroup):
+    """The root command group: a reader that goes away (`crest stores | head -1`) ends a command with exit 0."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # click's own handling would exit 1; what the reader read is all it wanted
+            _stop_writing()
+            raise typer.Exit(0) from None
+
+
 # plain click help: rich markup would eat square brackets in help texts ({"tokens": [ids]}, 'crest[spark]') and
 # typer's rich panels show a <bool> value for flags, which take none; subcommand groups inherit this mode
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,
+    cls=_Commands,
     help="Compact, database-backed drafting stores for speculative decoding.",
     epilog="Exit codes: 0 ok, 1 failure, 2 usage or bad input, 3 database, 130 interrupted.",
 )
@@ -98,6 +112,15 @@ def _fail_unexpected(exc: Exception) -> NoReturn:
     if os.environ.get("CREST_DEBUG"):
         raise exc
     _fail(f"unexpected {type(exc).__name__}: {exc} (set CREST_DEBUG=1 for a traceback)", EXIT_FAILURE)
+
+
+def _stop_writing() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush into the closed pipe does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout): nothing is left to flush
+        pass
 
 
 def _fail(message: str, code: int) -> NoReturn:

@@ -93,10 +93,10 @@ class RowLoader:
         unigram[counts.ngrams(1)[:, 0]] = counts.counts[1]
         self.table = TokenTable.from_counts(unigram) if self.fixed_table is None else self.fixed_table
         if opts.keep != "count":  # by expected saved tokens: crest.ingest.selection
-            return load_savings(self, tokens, offsets, counts, rep, row_bytes=self._row_bytes)
+            return load_savings(self, tokens, offsets, counts, rep, row_bytes=self.row_bytes)
         if opts.budget is None:
             assert opts.top_t is not None
-            selected = self._frequent(select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n))
+            selected = self.frequent(select_top(counts, top_t=opts.top_t, mode=opts.selection, n=opts.single_n))
             total = sum(len(s.counts) for s in selected.values())
             advance = rep.stage("build trees + load", total)
             for n, sel in selected.items():
@@ -106,7 +106,7 @@ class RowLoader:
             return opts.top_t
         return self._load_budget(tokens, offsets, counts, rep)
 
-    def _frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]:
+    def frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]:
         """Return the selection without the n-grams seen fewer than `min_count` times (most common first)."""
         if self.min_count <= 1:
             return selected
@@ -140,9 +140,9 @@ class RowLoader:
         counts: np.ndarray,
         advance: Advance,
     ) -> Iterator[tuple[bytes, int, int, bytes]]:
-        yield from self._account(n, self._encoded(tokens, offsets, n, ngrams, counts), advance)
+        yield from self.account(n, self.encoded(tokens, offsets, n, ngrams, counts), advance)
 
-    def _encoded(
+    def encoded(
         self, tokens: np.ndarray, offsets: np.ndarray, n: int, ngrams: np.ndarray, counts: np.ndarray
     ) -> Iterator[tuple[int, bytes, int, bytes, int]]:
         """Yield (index, key, count, blob, nodes) for the given n-grams that have a tree."""
@@ -191,7 +191,8 @@ class RowLoader:
         ]
         return KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
 
-    def _row_bytes(self, n: int, blob_bytes: np.ndarray) -> np.ndarray:
+    def row_bytes(self, n: int, blob_bytes: np.ndarray) -> np.ndarray:
+        """Return the on-disk bytes of rows of length-n keys with blobs of these sizes."""
         return estimate_row_bytes(n * self.width, blob_bytes)
 
     def _load_budget(self, tokens: np.ndarray, offsets: np.ndarray, counts: Any, rep: Reporter) -> int:
@@ -200,7 +201,7 @@ class RowLoader:
         assert opts.budget is not None
         ns = lengths_for(counts.keys, mode=opts.selection, n=opts.single_n)
         ceiling = max(int(counts.unique(n)) for n in ns)
-        full = self._frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
+        full = self.frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
         advance = rep.stage("build trees + load (budget)", None)
         spent, lo, block = 0, 0, 4096
         while lo < ceiling:
@@ -211,7 +212,7 @@ class RowLoader:
                 part = sel.ngrams[lo:hi]
                 if len(part) == 0:
                     continue
-                rows = list(self._encoded(tokens, offsets, n, part, sel.counts[lo:hi]))
+                rows = list(self.encoded(tokens, offsets, n, part, sel.counts[lo:hi]))
                 per_n[n] = rows
                 ranks = np.array([r[0] for r in rows], dtype=np.int64)
                 sizes = estimate_row_bytes(n * self.width, np.array([len(r[3]) for r in rows], dtype=np.int64))
@@ -219,16 +220,17 @@ class RowLoader:
             cum = spent + np.cumsum(rank_bytes)
             fit = int(np.searchsorted(cum, opts.budget, side="right"))  # ranks lo..lo+fit-1 fit
             for n, rows in per_n.items():
-                self.build.copy_ngrams(self._account(n, [r for r in rows if r[0] < fit], advance))
+                self.build.copy_ngrams(self.account(n, [r for r in rows if r[0] < fit], advance))
             if fit < hi - lo:
                 return lo + fit
             spent = int(cum[-1]) if len(cum) else spent
             lo, block = hi, block * 2
         return ceiling
 
-    def _account(
+    def account(
         self, n: int, rows: Iterable[tuple[int, bytes, int, bytes, int]], advance: Advance
     ) -> Iterator[tuple[bytes, int, int, bytes]]:
+        """Yield the rows to COPY (key, n, count, blob), accounting kept n-grams, nodes, bytes and keys."""
         for i, (_, key, count, blob, nodes) in enumerate(rows):
             self.keys[n].append(key)
             self.kept[n] += 1

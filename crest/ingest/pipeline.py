@@ -13,28 +13,33 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from crest_client.codec import TokenTable, token_width
+from crest_client.codec import TokenTable
 from crest_client.embedded import crest_home
 
 from crest import db
-from crest.config import IngestOptions, check_store_name, fault_pause, resolve_model_spec
-from crest.errors import ConfigError, CorpusError
+from crest.config import IngestOptions, fault_pause, resolve_model_spec
+from crest.errors import CorpusError
 from crest.ingest.corpus import CorpusReport, iter_documents
 from crest.ingest.loader import Reporter, RowLoader, RowReuse, SilentReporter
 from crest.ingest.ngrams import count_ngrams
-from crest.ingest.tokenizer import Tokenizer, load_tokenizer, tokenize_corpus
+from crest.ingest.publishing import (
+    CHUNK_TOKENS,
+    IngestSummary,
+    Vocabulary,
+    building,
+    check_ingest,
+    prepared,
+    publish_summary,
+)
+from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
 
-# Corpus positions scanned at once when counting and finding occurrences (occurrences gathered at once: 4x, trie
-# batches: 1/4): peak memory follows this and the number of distinct n-grams, not the corpus size
-# (`--chunk-tokens`, CREST_CHUNK_TOKENS).
-CHUNK_TOKENS = 1 << 22
+__all__ = ["CHUNK_TOKENS", "IngestSummary", "Reuse", "Vocabulary", "build_store", "ingest", "publish_summary"]
 
 
 class Reuse(RowReuse, Protocol):
@@ -43,46 +48,6 @@ class Reuse(RowReuse, Protocol):
     def record(self, build: db.Build, summary: IngestSummary) -> None:
         """Record in the build's params how it was built (before it is published)."""
         ...
-
-
-@dataclass
-class IngestSummary:
-    """What an ingest did, printed by the CLI and recorded in the store's `figures`."""
-
-    store: str
-    store_id: int
-    documents: int
-    empty_documents: int
-    dropped_records: int
-    drop_reasons: list[str]
-    tokens: int
-    counted: dict[int, int]
-    kept: dict[int, int]
-    positions: dict[int, int]
-    covered: dict[int, int]
-    avg_tree_nodes: float
-    blob_bytes: int
-    table_bytes: int
-    index_bytes: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
-    top_t: int | None = None
-
-    @property
-    def rows(self) -> int:
-        return sum(self.kept.values())
-
-    @property
-    def bytes_per_ngram(self) -> float:
-        return (self.table_bytes + self.index_bytes) / max(1, self.rows)
-
-    def to_figures(self) -> dict[str, Any]:
-        """Return the summary as JSON-ready figures."""
-        out = asdict(self)
-        for key in ("counted", "kept", "positions", "covered"):
-            out[key] = {str(k): v for k, v in out[key].items()}
-        out["bytes_per_ngram"] = round(self.bytes_per_ngram, 1)
-        return out
 
 
 @contextmanager
@@ -112,28 +77,6 @@ def _remove_stale_workdirs(root: Path) -> None:
             pass
 
 
-@dataclass(frozen=True)
-class Vocabulary:
-    """What a version records of its tokenizer: where it loads from, its fingerprint, size and text pieces."""
-
-    spec: str
-    fingerprint: str
-    size: int
-    pieces: Callable[[], Iterable[tuple[int, str]]]  # (id, text), for SQL rendering
-
-    @classmethod
-    def of(cls, tok: Tokenizer, spec: str) -> Vocabulary:
-        """Return the vocabulary of a loaded tokenizer (`spec`: the path or name it was loaded from)."""
-        recorded = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
-        return cls(recorded, tok.fingerprint, tok.vocab_size, tok.pieces)
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def ingest(
     inputs: Sequence[str],
     *,
@@ -146,19 +89,12 @@ def ingest(
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> IngestSummary:
     """Build a new version of `store` from `inputs` and publish it atomically."""
-    options = options.validate().with_defaults()
-    if chunk_tokens < 1:
-        raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")
-    check_store_name(store)
+    options = check_ingest(options, store=store, engine="inprocess", chunk_tokens=chunk_tokens)
     rep = reporter or SilentReporter()
     tokenizer = resolve_model_spec(tokenizer)
     seconds: dict[str, float] = {}
     tok = load_tokenizer(tokenizer)
-    db.upgrade(dsn)
-    with db.session(dsn) as conn:
-        db.clean_leftovers(conn)
-
-    with _workdir() as work:
+    with prepared(dsn), _workdir() as work:
         t0 = time.perf_counter()
         report = CorpusReport()
         docs = iter_documents(list(inputs), fmt=fmt, report=report)
@@ -181,8 +117,6 @@ def ingest(
             chunk_tokens=chunk_tokens,
             seconds=seconds,
         )
-    with db.session(dsn) as conn:
-        db.clean_leftovers(conn)
     return summary
 
 
@@ -211,7 +145,7 @@ def build_store(
     instead of building them.
     """
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
-    options = options.validate().with_defaults()
+    options = check_ingest(options, store=store, chunk_tokens=chunk_tokens)
     report = report or CorpusReport(documents=len(offsets) - 1)
     rep = reporter or SilentReporter()
     seconds = {} if seconds is None else seconds
@@ -228,19 +162,8 @@ def build_store(
     rep.done("count n-grams")
     seconds["count"] = time.perf_counter() - t0
 
-    build = db.begin_build(
-        dsn,
-        store,
-        fingerprint=vocabulary.fingerprint,
-        tokenizer=vocabulary.spec,
-        vocab_size=vocabulary.size,
-        token_width=token_width(vocabulary.size),
-        params={**asdict(options), **(params or {})},
-        tier=tier,
-    )
-    try:
+    with building(dsn, store, vocabulary=vocabulary, options=options, params=params, tier=tier) as build:
         t0 = time.perf_counter()
-        build.copy_vocab(vocabulary.pieces())
         fault_pause("build")
         loader = RowLoader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
         loader.fixed_table, loader.reuse = token_table, reuse
@@ -274,21 +197,4 @@ def build_store(
         if reuse is not None:
             reuse.record(build, summary)
         publish_summary(build, summary, seconds=seconds, started=t0, allow_empty=allow_empty)
-    except BaseException:
-        build.fail()
-        raise
-    finally:
-        build.close()
     return summary
-
-
-def publish_summary(
-    build: db.Build, summary: IngestSummary, *, seconds: dict[str, float], started: float, allow_empty: bool = False
-) -> None:
-    """Publish the build with the summary's figures (refusing an empty store), then record time and peak memory."""
-    if summary.rows == 0 and not allow_empty:
-        raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
-    build.publish(summary.to_figures())
-    seconds["index_publish"] = time.perf_counter() - started
-    summary.peak_rss_bytes = _peak_rss()
-    build.set_figures(summary.to_figures())

@@ -32,20 +32,20 @@ POOL_FACTOR = 3  # trees built per tree kept, at most
 
 
 class Loader(Protocol):
-    """What selection needs of the row loader (crest.ingest.loader): its build, options, table and row encoding."""
+    """What selection needs of the row loader (`crest.ingest.loader.RowLoader`): build, options, table, rows."""
 
     build: Any
     options: IngestOptions
     table: TokenTable
     width: int
 
-    def _frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]: ...
+    def frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]: ...
 
-    def _encoded(
+    def encoded(
         self, tokens: np.ndarray, offsets: np.ndarray, n: int, ngrams: np.ndarray, counts: np.ndarray
     ) -> Iterator[Row]: ...
 
-    def _account(self, n: int, rows: Iterable[Row], advance: Advance) -> Iterator[tuple[bytes, int, int, bytes]]: ...
+    def account(self, n: int, rows: Iterable[Row], advance: Advance) -> Iterator[tuple[bytes, int, int, bytes]]: ...
 
 
 def expected_accepted(blob: bytes, *, n: int, table: TokenTable | None) -> float:
@@ -89,7 +89,7 @@ def load_savings(
     ns = lengths_for(counts.keys, mode=opts.selection, n=opts.single_n)
     ceiling = max(int(counts.unique(n)) for n in ns)
     pool_t = ceiling if opts.budget is not None else min(ceiling, POOL_FACTOR * (opts.top_t or 1))
-    full = loader._frequent(select_top(counts, top_t=pool_t, mode=opts.selection, n=opts.single_n))
+    full = loader.frequent(select_top(counts, top_t=pool_t, mode=opts.selection, n=opts.single_n))
     table = loader.table if opts.blob_format == 2 else None
     pool: dict[int, list[Row]] = {n: [] for n in full}
     expected: dict[int, list[float]] = {n: [] for n in full}
@@ -100,7 +100,7 @@ def load_savings(
         for n, sel in full.items():
             if len(sel.counts) <= lo:
                 continue
-            for row in loader._encoded(tokens, offsets, n, sel.ngrams[lo:hi], sel.counts[lo:hi]):
+            for row in loader.encoded(tokens, offsets, n, sel.ngrams[lo:hi], sel.counts[lo:hi]):
                 pool[n].append(row)
                 expected[n].append(expected_accepted(row[3], n=n, table=table))
                 spent += int(row_bytes(n, np.array([len(row[3])]))[0])
@@ -132,5 +132,5 @@ def load_savings(
     advance = rep.stage("load (by expected savings)", int(kept.shape[0]))
     for n, rows in pool.items():
         mine = np.sort(all_i[kept[all_n[kept] == n]])  # count order within n
-        loader.build.copy_ngrams(loader._account(n, [rows[int(i)] for i in mine], advance))
+        loader.build.copy_ngrams(loader.account(n, [rows[int(i)] for i in mine], advance))
     return opts.top_t

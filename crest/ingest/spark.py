@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,11 +29,20 @@ from crest_client.keyfilter import KeyFilter
 from psycopg import sql
 
 from crest import db, errors
-from crest.config import IngestOptions, check_store_name, resolve_model_spec
+from crest.config import IngestOptions, resolve_model_spec
 from crest.errors import ConfigError, CorpusError, CrestError
 from crest.ingest.loader import Reporter, SilentReporter
 from crest.ingest.ngrams import unpack_keys
-from crest.ingest.pipeline import CHUNK_TOKENS, IngestSummary, Vocabulary, publish_summary
+from crest.ingest.publishing import (
+    CHUNK_TOKENS,
+    IngestSummary,
+    Vocabulary,
+    building,
+    check_ingest,
+    peak_rss,
+    prepared,
+    publish_summary,
+)
 from crest.ingest.spark_corpus import (
     corpus_report,
     number_documents,
@@ -49,7 +58,6 @@ from crest.ingest.spark_tasks import (
     count_histogram,
     local_counts,
     merge_counts,
-    peak_rss,
     rank_offsets,
     ranks_of,
     spaced_sample,
@@ -119,30 +127,20 @@ def ingest_spark(
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> SparkIngestSummary:
     """Build a new version of `store` from `inputs` on Spark and publish it atomically."""
-    options = options.validate().with_defaults()
-    if chunk_tokens < 1:
-        raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")
-    if partitions is not None and partitions < 1:
-        raise ConfigError(f"--spark-partitions must be positive, got {partitions}")
-    check_store_name(store)
+    options = check_ingest(options, store=store, engine="spark", chunk_tokens=chunk_tokens, partitions=partitions)
     owned = spark is None and (master is not None or not _has_active_session())
     session = spark or spark_session(master)
     try:
         spec = resolve_model_spec(tokenizer)
         vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
-        db.upgrade(dsn)
-        with db.session(dsn) as conn:
-            db.clean_leftovers(conn)
         job = _Job(session, dsn=dsn, store=store, vocabulary=vocabulary, options=options, fmt=fmt)
         job.partitions = partitions or 0
         job.chunk_tokens, job.reporter = chunk_tokens, reporter or SilentReporter()
-        with spark_errors():
+        with prepared(dsn), spark_errors():
             summary = job.run(list(inputs))
     finally:
         if owned:
             session.stop()
-    with db.session(dsn) as conn:
-        db.clean_leftovers(conn)
     return summary
 
 
@@ -205,47 +203,36 @@ class _Job:
         ranked, counted, positions, unigram = self._count(parts, keep)
         self.seconds["count"] = time.perf_counter() - t0
         opts = self.options
-        build = db.begin_build(
-            self.dsn,
-            self.store,
-            fingerprint=self.vocabulary.fingerprint,
-            tokenizer=self.vocabulary.spec,
-            vocab_size=self.vocabulary.size,
-            token_width=self.width,
-            params={**asdict(opts), "format": self.fmt},
-        )
+        params = {"format": self.fmt}
         try:
-            t0 = time.perf_counter()
-            build.copy_vocab(self.vocabulary.pieces())
-            table = TokenTable.from_counts(unigram)
-            plan = Plan(
-                self.sc,
-                self.dsn,
-                opts,
-                self.vocabulary.size,
-                self.width,
-                self.partitions,
-                self.chunk_tokens,
-                self.reporter,
-                self.figures,
-            )
-            loader = Loader(plan, parts, ranked, build.store_id, bases, unigram, keep)
-            top_t = loader.load_all(counted)
-            hashes = [s.hashes for s in loader.stats]
-            filt = KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
-            build.write_store_data(table.to_bytes(), filt.to_bytes())
-            with build.conn.transaction():  # the COPY tasks' markers
-                build.conn.execute(sql.SQL("DELETE FROM {} WHERE token_id < 0").format(db.vocab_table(build.store_id)))
-            self.seconds["trees_load"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            build.finish_tables()
-            summary = self._summary(build, report, bases, counted, positions, loader, top_t)
-            publish_summary(build, summary, seconds=self.seconds, started=t0)
-        except BaseException:
-            build.fail()
-            raise
+            with building(self.dsn, self.store, vocabulary=self.vocabulary, options=opts, params=params) as build:
+                t0 = time.perf_counter()
+                table = TokenTable.from_counts(unigram)
+                plan = Plan(
+                    self.sc,
+                    self.dsn,
+                    opts,
+                    self.vocabulary.size,
+                    self.width,
+                    self.partitions,
+                    self.chunk_tokens,
+                    self.reporter,
+                    self.figures,
+                )
+                loader = Loader(plan, parts, ranked, build.store_id, bases, unigram, keep)
+                top_t = loader.load_all(counted)
+                hashes = [s.hashes for s in loader.stats]
+                filt = KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
+                build.write_store_data(table.to_bytes(), filt.to_bytes())
+                markers = sql.SQL("DELETE FROM {} WHERE token_id < 0").format(db.vocab_table(build.store_id))
+                with build.conn.transaction():  # the COPY tasks' markers
+                    build.conn.execute(markers)
+                self.seconds["trees_load"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                build.finish_tables()
+                summary = self._summary(build, report, bases, counted, positions, loader, top_t)
+                publish_summary(build, summary, seconds=self.seconds, started=t0)
         finally:
-            build.close()
             parts.unpersist()
             ranked.unpersist()
         return summary

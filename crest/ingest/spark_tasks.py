@@ -12,7 +12,6 @@ smallest (seeded hash of the global position, position): the in-process rule, wh
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -23,7 +22,8 @@ from psycopg import sql
 
 from crest import db
 from crest.ingest.ngrams import count_ngrams, iter_chunks, run_starts, unpack_keys
-from crest.ingest.trees import _trie_batch, position_hash
+from crest.ingest.publishing import peak_rss
+from crest.ingest.trees import position_hash, trie_batch
 
 Table = tuple[np.ndarray, np.ndarray]  # (sorted distinct keys [K], counts [K] int64)
 
@@ -286,7 +286,7 @@ def build_rows(
         syn = np.zeros(int(syn_offsets[-1]), dtype=np.int32)
         inside = np.arange(conts.shape[1])[None, :] < lengths[a:b, None]
         syn[(syn_offsets[:-1, None] + 1 + np.arange(conts.shape[1])[None, :])[inside]] = conts[a:b][inside]
-        batch = _trie_batch(
+        batch = trie_batch(
             syn,
             syn_offsets,
             np.arange(hi - lo, dtype=np.int64),
@@ -347,11 +347,6 @@ class LoadStats:
         self.nodes += int(rows.nodes.sum())
         self.blob_bytes += sum(len(b) for b in rows.blobs)
         self.hashes = np.concatenate([self.hashes, rows.hashes])
-
-
-def peak_rss() -> int:
-    """Return this process's peak resident memory in bytes."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def copy_rows(dsn: str, store_id: int, marker: int, batches: Iterable[Rows], *, fault: bool = False) -> LoadStats:

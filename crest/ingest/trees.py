@@ -327,7 +327,7 @@ def build_trees(
         bounds = np.searchsorted(occ.ngram, np.arange(g1 - g0 + 1))  # occurrences of n-gram i: bounds[i]:[i+1]
         for b0, b1 in _ranges(np.diff(bounds), batch_occurrences, batch_size):
             a, b = int(bounds[b0]), int(bounds[b1])
-            yield _trie_batch(
+            yield trie_batch(
                 tokens,
                 offsets,
                 np.arange(g0 + b0, g0 + b1, dtype=np.int64),
@@ -345,7 +345,7 @@ def _weight_grid(max_weight: int) -> np.ndarray:
     return np.unique(np.r_[np.arange(1, 33), np.floor(32 * 1.125 ** np.arange(steps + 1))].astype(np.int64))
 
 
-def _trie_batch(
+def trie_batch(
     tokens: np.ndarray,
     offsets: np.ndarray,
     index: np.ndarray,
