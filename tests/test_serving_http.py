@@ -23,6 +23,7 @@ from crest.ingest.pipeline import ingest
 from crest.serving.app import StopText, create_app
 from crest.serving.engine import Engine
 from crest.serving.scheduler import Scheduler
+from tests.fix_corpus import write_jsonl
 from tests.fix_proxy import Proxy
 from tests.fix_serving import Running, flat_cost, start
 
@@ -43,17 +44,23 @@ def served(
     running.stop()
 
 
-def test_completions_are_exact_streamed_or_not(served: Running) -> None:
+def test_completions_are_exact_streamed_or_not(
+    served: Running, db_dsn: str, smollm2_gguf: Path, tmp_path: Path
+) -> None:
     client = served.client()
     prompt = "def add(a, b):\n    return"
     ids = served.tokenizer.encode(prompt, add_special_tokens=False)
     want = served.tokenizer.decode(served.reference(ids, 12), skip_special_tokens=True)
-    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    # a store holding this very continuation: its drafts are verified and accepted, and change no token
+    echo = write_jsonl(tmp_path / "echo.jsonl", [{"text": prompt + want}] * 3)
+    ingest([str(echo)], store="echo", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
+    from_store = {"store": "echo", "drafter": "crest"}
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=from_store)
     assert whole.choices[0].text == want
     assert whole.usage is not None and whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 12
     assert whole.usage.total_tokens == len(ids) + 12
     details = whole.usage.completion_tokens_details
-    assert details is not None and details.accepted_prediction_tokens is not None
+    assert details is not None and 6 <= (details.accepted_prediction_tokens or 0) <= 12  # store drafts verified
     chunks = list(
         client.completions.create(
             model="tiny",
@@ -62,10 +69,15 @@ def test_completions_are_exact_streamed_or_not(served: Running) -> None:
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=from_store,
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    streamed = chunks[-1].usage.completion_tokens_details
+    assert streamed is not None and (streamed.accepted_prediction_tokens or 0) >= 6
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)  # store `code`
+    assert plain.choices[0].text == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
