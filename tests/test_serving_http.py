@@ -234,7 +234,9 @@ def test_api_key_and_queue_bound(tiny_served: Any, smollm2_tokenizer: Any, monke
             target=lambda: running.client("sekrit").completions.create(model="tiny", prompt="a", max_tokens=2)
         )
         first.start()
+        deadline = time.monotonic() + 60
         while running.engine.scheduler.queued == 0:
+            assert time.monotonic() < deadline and first.is_alive(), "the first request never queued"
             time.sleep(0.01)
         r = httpx.post(
             f"{running.url}/v1/completions", json={"prompt": "b"}, headers={"Authorization": "Bearer sekrit"}
