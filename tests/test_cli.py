@@ -254,6 +254,25 @@ def test_an_unreachable_database_is_one_line_exit_3_at_once(
     assert code == EXIT_DATABASE and "Connection refused" in line and "port 1" in line, err
 
 
+IMPOSSIBLE_DSNS = [
+    ("hosts-and-ports", "host=a,b port=1,2,3", "2 hosts but 3 ports"),
+    ("port", "postgresql://x:notaport/db", "not a port number"),
+    ("unparsable", "nonsense dsn", "cannot be parsed"),
+    ("session-attrs", "host=a target_session_attrs=bogus", "target_session_attrs='bogus'"),
+]
+
+
+@pytest.mark.parametrize(("dsn", "says"), [d[1:] for d in IMPOSSIBLE_DSNS], ids=[d[0] for d in IMPOSSIBLE_DSNS])
+@pytest.mark.parametrize("via", ["option", "env"])
+def test_a_dsn_that_can_only_fail_is_bad_input_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dsn: str, says: str, via: str
+) -> None:
+    if via == "env":
+        monkeypatch.setenv("CREST_DATABASE_URL", dsn)
+    code, out, err = run(monkeypatch, capsys, "stores", *(["--dsn", dsn] if via == "option" else []))
+    assert code == EXIT_USAGE and out == "" and says in one_error_line(err), err
+
+
 def test_stores_fit_80_columns(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path) -> None:
     options = IngestOptions(top_t=1000, max_n=3, continuation_length=4)
     corpus = write_corpus(tmp_path / "c.jsonl", OLD_TEXT)

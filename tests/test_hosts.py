@@ -15,10 +15,10 @@ from crest.drafters.store import open_store
 @pytest.mark.parametrize(
     ("read", "dsn", "env_read", "env_write", "expected"),
     [
-        ("r-opt", "w-opt", "r-env", "w-env", "r-opt"),
-        (None, "w-opt", "r-env", "w-env", "w-opt"),
-        (None, None, "r-env", "w-env", "r-env"),
-        (None, None, None, "w-env", "w-env"),
+        ("host=r-opt", "host=w-opt", "host=r-env", "host=w-env", "host=r-opt"),
+        (None, "host=w-opt", "host=r-env", "host=w-env", "host=w-opt"),
+        (None, None, "host=r-env", "host=w-env", "host=r-env"),
+        (None, None, None, "host=w-env", "host=w-env"),
     ],
     ids=["read-option", "dsn-option", "read-env", "write-env"],
 )

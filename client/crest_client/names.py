@@ -27,12 +27,17 @@ def check_store_name(name: str) -> str:
 
 
 def resolve_dsn(option: str | None = None) -> str:
-    """Return the DSN from the option, else CREST_DATABASE_URL, else the embedded default (started)."""
+    """Return the DSN from the option, else CREST_DATABASE_URL, else the embedded default (started).
+
+    A given DSN that can only fail (see `crest_client.hosts.check_dsn`) raises InvalidDsn before any connection.
+    """
+    from crest_client.hosts import check_dsn
+
     if option:
-        return option
+        return check_dsn(option)
     env = os.environ.get(ENV_DSN)
     if env:
-        return env
+        return check_dsn(env)
     from crest_client.embedded import crest_home, embedded_dsn
 
     return embedded_dsn(crest_home())
