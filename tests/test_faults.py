@@ -68,6 +68,16 @@ class Reader(threading.Thread):
         return int(self.handle.stats["errors"]) + len(self.failures)
 
 
+def read_more(*readers: Reader, passes: int = 1, timeout: float = 120.0) -> None:
+    """Wait until every reader has looked up every context `passes` more times (a loaded machine reads slower)."""
+    targets = [len(r.seen) + passes * len(CONTEXTS) for r in readers]
+    deadline = time.monotonic() + timeout
+    while not all(len(r.seen) >= t for r, t in zip(readers, targets, strict=True)):
+        assert all(r.is_alive() for r in readers), [r.failures for r in readers]
+        assert time.monotonic() < deadline, f"the readers did not read {passes} more passes in {timeout:.0f} s"
+        time.sleep(0.01)
+
+
 def version_of(results: Sequence[tuple[tuple[int, ...], Any]], old: Snapshot, new: Snapshot) -> list[str]:
     """Label each result old, new, both (the versions agree) or neither."""
     labels = []
@@ -174,11 +184,11 @@ def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_clea
         proc = start_paused_ingest(new_corpus, word_tokenizer_dir, db_dsn, home, stage)
         assert list((home / "work").glob(f"ingest-{proc.pid}-*")), "the paused ingest has a work directory"
         assert visible_state(db_dsn) == before, f"a partial version is visible while paused at {stage}"
-        time.sleep(0.2)  # let the reader poll the paused state
+        read_more(reader)  # the reader polls the paused state
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         wait_for_unlocked_builds(db_dsn)
-        time.sleep(0.2)  # and the state the kill left
+        read_more(reader)  # and the state the kill left
         assert visible_state(db_dsn) == before, f"killed at {stage}, the previous version changed"
         if stage in ("build", "load", "index", "publish"):
             left = leftovers(db_dsn)
@@ -187,7 +197,7 @@ def test_ingest_killed_at_each_stage_keeps_previous_version_and_next_ingest_clea
         assert snapshot(db_dsn, "words") == old_snapshot
 
         new = ingest([str(new_corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=OPTIONS)
-        time.sleep(0.3)
+        read_more(reader)
     finally:
         reader.stop()
     assert reader.errors() == 0
@@ -250,7 +260,7 @@ def test_ingest_killed_while_cleaning_up_leftovers_leaves_a_store_the_next_inges
         assert snapshot(db_dsn, "words") == expect
         seen_killed = len(reader.seen)
         last = ingest([str(new_corpus)], store="words", tokenizer=tok, dsn=db_dsn, options=OPTIONS)
-        time.sleep(0.3)
+        read_more(reader)
     finally:
         reader.stop()
     assert reader.errors() == 0
@@ -305,7 +315,7 @@ def test_two_ingests_of_one_store_at_once_publish_one_after_the_other(
             assert visible_state(db_dsn) == before, "a version became visible before publishing"
             blocker.rollback()  # both publish now, one after the other
         outcomes = {key: proc.communicate(timeout=120) for key, proc in procs.items()}
-        time.sleep(0.3)
+        read_more(reader)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -352,14 +362,17 @@ def test_readers_during_a_rebuild_see_old_then_new_never_errors_or_a_mix(
     for reader in readers:
         reader.start()
     try:
-        time.sleep(0.3)
+        read_more(*readers, passes=2)
         ingest([str(new_corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=OPTIONS)
         published_at = [len(r.seen) for r in readers]
-        time.sleep(1.0)  # 20 refresh intervals
+        new = snapshot(db_dsn, "words")
+        deadline = time.monotonic() + 120  # each reader moves within a refresh interval (50 ms) on a quiet machine
+        while not all(set(version_of(r.seen[-len(CONTEXTS) :], old, new)) <= {"new", "both"} for r in readers):
+            assert time.monotonic() < deadline, "a reader never moved to the new version"
+            read_more(*readers)
     finally:
         for reader in readers:
             reader.stop()
-    new = snapshot(db_dsn, "words")
     assert sum(old[c] != new[c] for c in old) > 10, "the two versions differ"
     for reader, at in zip(readers, published_at, strict=True):
         assert reader.errors() == 0
