@@ -381,3 +381,24 @@ def test_real_sharegpt_package_file() -> None:
         assert rep.bytes_read == path.stat().st_size
         assert records == rep.documents > 100_000
         assert isinstance(first, str) and first.startswith("Summarize the main ideas of Jeff Walker")
+
+
+def test_sharegpt_takes_what_python_json_takes(tmp_path: Path) -> None:
+    # ijson refuses NaN and 1e999; reading goes on exactly from the last record placed
+    path = _write(tmp_path / "x.json", b'[{"text": "a"}, {"text": "b", "x": NaN}, {"text": "c", "n": 1e999}]')
+    assert read_all(path)[0] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("read", [1, 2, 3, 5, 8, 13, 1 << 20])
+def test_bad_utf8_byte_is_exact_whatever_the_reads(tmp_path: Path, read: int) -> None:
+    data = '[{"text": "ééé'.encode() + b"\xff" + b'"}]'
+    bad = data.index(b"\xff")
+    with pytest.raises(CorpusError, match=rf"not valid UTF-8 \(byte {bad}\)"):
+        read_all(_write(tmp_path / "x.json", data), read_bytes=read)
+
+
+def test_truncation_byte_counts_the_bom(tmp_path: Path) -> None:
+    data = b'\xef\xbb\xbf[{"text": "a"}, {"text": "b'
+    docs, rep = read_all(_write(tmp_path / "x.json", data))
+    cut = data.rindex(b"{")
+    assert docs == ["a"] and f"record 2 truncated at byte {cut}" in rep.drop_reasons[0]

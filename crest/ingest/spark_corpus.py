@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from crest.errors import CorpusError
-from crest.ingest.corpus import FORMATS, CorpusReport, _array_texts, _detect, _expand, _file_documents, _jsonl_texts
-from crest.ingest.corpus import _Sizes as Sizes
-from crest.ingest.corpus import _turn_texts as turn_texts
+from crest.ingest._files import FORMATS, CorpusReport, Sizes, detect, expand
+from crest.ingest._records import turn_texts
+from crest.ingest.corpus import file_documents
 from crest.ingest.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 SPARK_FORMATS = (*FORMATS, "parquet")
-SIZES = Sizes(piece=256 << 10, record=256 << 20, read=1 << 20)  # iter_documents' defaults
+SIZES = Sizes()  # iter_documents' defaults
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _TOKENIZERS: dict[str, Tokenizer] = {}  # per Python worker: loaded once, reused by its tasks
 
@@ -65,7 +65,7 @@ def resolve_sources(spark: SparkSession, inputs: list[str], fmt: str) -> list[So
             kind = fmt if fmt != "auto" else ("auto" if files == [spec] else "files")
             out.extend(Source(f, kind, True) for f in files)
         else:
-            out.extend(Source(str(path), kind) for path, kind in _expand(local, fmt))
+            out.extend(Source(str(path), kind) for path, kind in expand(local, fmt))
     return out
 
 
@@ -150,20 +150,14 @@ def _read_remote(items: Iterable[tuple[str, bytes]], source: Source) -> Iterator
         with tempfile.TemporaryDirectory(prefix="crest-spark-") as tmp:
             path = Path(tmp, f"input{suffix}")
             path.write_bytes(data)
-            kind = _detect(path) if source.kind == "auto" else source.kind
+            kind = detect(path) if source.kind == "auto" else source.kind
             yield from _documents(path, kind, rep)
     yield "r", rep
 
 
 def _documents(path: Path, kind: str, rep: CorpusReport) -> Iterator[tuple[str, Any]]:
     """Yield ('d', text or list of pieces) for the non-empty documents of one file, counting the empty ones."""
-    if kind == "sharegpt":
-        docs: Iterator[Any] = _array_texts(path, rep, SIZES)
-    elif kind == "jsonl":
-        docs = _jsonl_texts(path, rep, SIZES)
-    else:
-        docs = _file_documents(path, rep, SIZES)
-    for doc in docs:
+    for doc in file_documents(path, kind, rep, SIZES):
         if isinstance(doc, str) and not doc.strip():
             rep.empty_documents += 1
             continue
