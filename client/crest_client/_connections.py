@@ -63,6 +63,10 @@ def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_ti
     return pool
 
 
+class LookupTimeout(psycopg.OperationalError):
+    """The server did not answer a lookup within the handle's timeout (the connection was closed)."""
+
+
 class Connections:
     """Lends a pool's connections for lookups, each bounded by the lookup timeout."""
 
@@ -164,7 +168,7 @@ class Connections:
                 ready = select.select([fd], [fd] if sending else [], [], max(0.0, left)) if left > 0 else ([], [])
                 if not ready[0] and not ready[1]:
                     conn.close()
-                    raise psycopg.OperationalError(f"no answer within {self.timeout:g} s; connection closed")
+                    raise LookupTimeout(f"no answer within {self.timeout:g} s; connection closed")
                 if ready[0]:
                     pgconn.consume_input()
             res = pgconn.get_result()

@@ -26,7 +26,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from crest_client._connections import Connections, open_pool
+from crest_client._connections import Connections, LookupTimeout, open_pool
 from crest_client.batch_codec import decode_trees
 from crest_client.choice import choose, resolve_rule
 from crest_client.codec import decode_tree
@@ -79,7 +79,7 @@ class Store:
         self._refresh_interval = float(refresh_interval)
         self._checked = time.monotonic()
         self._warned: set[str] = set()
-        self.stats = {"lookups": 0, "hits": 0, "errors": 0, "queries": 0}
+        self.stats = {"lookups": 0, "hits": 0, "errors": 0, "timeouts": 0, "queries": 0}
 
     @classmethod
     def connect(
@@ -394,7 +394,18 @@ class Store:
             self._live_cache.clear()
 
     def _note_failure(self, exc: BaseException) -> None:
-        """Count a failure of the database; the first one is logged (one line for the handle's life)."""
+        """Count a failure of the database; the first one is logged (one line for the handle's life).
+
+        A lookup slower than its timeout is the timeout doing its job under load, not a failure: it is counted
+        in `stats["timeouts"]` and said once at INFO.
+        """
+        if isinstance(exc, LookupTimeout | PoolTimeout | psycopg.errors.QueryCanceled):
+            self.stats["timeouts"] += 1
+            if "timeout" not in self._warned:
+                self._warned.add("timeout")
+                log.info("store %r: a lookup took longer than its timeout; that step drafts without it "
+                         "(counted in stats['timeouts'], said once)", self.name)  # fmt: skip
+            return
         self.stats["errors"] += 1
         self._warn_once("database", f"store {self.name!r} lookup failed, no drafts while it fails: {exc}")
 
