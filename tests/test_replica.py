@@ -34,7 +34,8 @@ pytest_plugins = ["tests.fix_replica"]
 VOCAB = 1000
 KEYS = [(5,), (4, 5), (3, 4, 5), (9, 9)]
 CONTEXTS = [[1, 3, 4, 5], [2, 9, 9]]  # drafted from (3, 4, 5) and (9, 9)
-BOUND = 1.5  # seconds: no draft() call may take longer, whatever happens to the servers
+CONNECT_TIMEOUT = 8  # seconds: what a lookup would wait for a hung server if it waited for one
+BOUND = 4.0  # seconds: no draft() call may take longer (its timeout is 0.1 s: the rest is headroom for load)
 
 
 def chain(first: int, size: int = 4) -> bytes:
@@ -157,7 +158,7 @@ def test_lookups_move_to_the_primary_when_the_replica_goes_away(
     publish(replica_pair.primary.dsn(replicated_db), "demo", 1)
     replica_pair.wait_replayed()
     # a hung server accepts TCP connections and never answers: each attempt waits for connect_timeout
-    dsn = both(replica_pair, replicated_db, first="replica", extra="connect_timeout=3")
+    dsn = both(replica_pair, replicated_db, first="replica", extra=f"connect_timeout={CONNECT_TIMEOUT}")
     calls: list[tuple[float, float, int | None]] = []  # (start, seconds, version)
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -179,7 +180,10 @@ def test_lookups_move_to_the_primary_when_the_replica_goes_away(
         worker.start()
         hung: list[int] = []
         try:
-            time.sleep(0.3)
+            deadline = time.monotonic() + 60
+            while len(calls) < 20 and not errors:  # lookups drafted from the replica before it goes away
+                assert time.monotonic() < deadline and worker.is_alive(), "the lookups did not start"
+                time.sleep(0.01)
             up = time.monotonic()
             if how == "stopped":
                 replica_pair.replica.stop("immediate")
@@ -188,7 +192,7 @@ def test_lookups_move_to_the_primary_when_the_replica_goes_away(
                 for pid in hung:
                     os.kill(pid, signal.SIGSTOP)
             gone = time.monotonic()  # lookups that start later find the replica gone
-            deadline = gone + 15.0
+            deadline = gone + 60.0 + 2 * CONNECT_TIMEOUT  # the pool's new connection tries the lost server first
             while time.monotonic() < deadline and not errors:
                 recent = [v for start, _, v in calls if start > gone][-20:]
                 if len(recent) == 20 and all(v == 1 for v in recent):
@@ -242,13 +246,19 @@ def test_generation_output_is_unchanged_when_the_replica_dies_mid_generation(
     calls = 0
 
     class ReplicaDies:
-        """The crest drafter; the replica is stopped after its second draft."""
+        """The crest drafter; the replica is stopped before its third draft, and its fifth waits (with a deadline)
+        until the pool has a connection to the primary, so drafting resumes whatever the machine's speed."""
 
         def draft(self, context_ids: Sequence[int], max_nodes: int) -> Any:
             nonlocal calls
             calls += 1
             if calls == 3:
                 replica_pair.replica.stop("immediate")
+            if calls == 5:
+                deadline = time.monotonic() + 60
+                while store.draft(prompt) is None:  # the prompt drafts (asserted above) once connected
+                    assert time.monotonic() < deadline, "the store never drafted from the primary"
+                    time.sleep(0.05)
             assert drafter is not None
             return drafter.draft(context_ids, max_nodes)
 
@@ -258,9 +268,9 @@ def test_generation_output_is_unchanged_when_the_replica_dies_mid_generation(
     finally:
         store.close()
     assert result.output_token_ids == want
+    assert calls > 5 and not replica_pair.replica.running, "the replica died mid-generation"
     assert max(result.accepted_per_step[:2]) > 1, "the replica's drafts were accepted"
-    assert max(result.accepted_per_step[3:]) > 1, "the primary's drafts were accepted after the replica died"
-    assert 1 in result.accepted_per_step[2:4], "the step on the lost connection drafted nothing"
+    assert max(result.accepted_per_step[4:]) > 1, "the primary's drafts were accepted after the replica died"
 
 
 def test_a_new_version_shows_on_the_replica_once_replayed(replica_pair: ReplicaPair, replicated_db: str) -> None:
@@ -311,7 +321,10 @@ def test_replica_readers_never_see_half_a_version(replica_pair: ReplicaPair, rep
             publish(primary, "demo", version)  # the previous version's tables are dropped
             time.sleep(0.1)
         replica_pair.wait_replayed()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while not seen or seen[-1] != [6, 6]:  # the reader reads the last version
+            assert time.monotonic() < deadline and worker.is_alive(), "the reader never read version 6"
+            time.sleep(0.02)
     finally:
         stop.set()
         worker.join(10.0)
