@@ -160,7 +160,12 @@ def publish_summary(
 ) -> None:
     """Publish the build with the summary's figures (refusing an empty store), then record time and peak memory."""
     if summary.rows == 0 and not allow_empty:
-        raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
+        if summary.top_t == 0 and any(summary.counted.values()):  # --budget reached no rank at all
+            raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
+        raise ConfigError(
+            f"nothing to store: the corpus ({summary.documents} documents, {summary.tokens} tokens) has no n-gram "
+            "that is followed by a token often enough to keep; give a larger corpus"
+        )
     build.publish(summary.to_figures())
     seconds["index_publish"] = time.perf_counter() - started
     summary.peak_rss_bytes = peak_rss()
