@@ -1,6 +1,7 @@
 """Sampling is lossless: speculative sampling through a draft tree has the distribution of plain sampling
-(chi-square against the exact distribution, with the power to reject a biased rule), and the logits
-processing matches transformers' own warpers."""
+(chi-square against the exact distribution, with the power to reject a biased rule), in the single-sequence
+generator and in the batched scheduler (seeded sampled rows drafting from a real store and their prompt, batched
+with greedy rows, draw exactly what they draw alone), and the logits processing matches transformers' own warpers."""
 
 from __future__ import annotations
 
@@ -150,3 +151,46 @@ def test_process_logits_matches_transformers_warpers(options: dict[str, Any]) ->
         warpers.append(TopPLogitsWarper(options["top_p"]))
     want = warpers(torch.LongTensor([[0]] * 6), logits.clone()).softmax(dim=-1)
     torch.testing.assert_close(process_logits(logits, **options), want)
+
+
+def store_and_prompt_drafter(dsn: str) -> Any:
+    """Return a fresh crest+prompt drafter over store `six` (chains of tokens below 6 after every token)."""
+    from crest_client import Store
+
+    from crest.drafters.registry import make_drafter
+
+    store = Store.connect(dsn, "six", cache_size=0, timeout=5.0)
+    return make_drafter("crest+prompt", store=store), store
+
+
+def test_batched_sampled_rows_with_store_and_prompt_drafts_draw_what_they_draw_alone(db_dsn: str) -> None:
+    """Seeded sampled rows drafting from a real store and their prompt, batched with greedy rows, emit exactly the
+    tokens the single-sequence generator emits for the same seed (the same trees, the same draws)."""
+    from crest.decoding.sizing import CostModel
+    from crest.serving.scheduler import Request, Scheduler
+    from tests.fix_serving import drive
+    from tests.fix_store import chain_tree, publish
+
+    publish(db_dsn, "six", {(a,): chain_tree(a % 3, 3) for a in range(6)} | {(2, 3): chain_tree(3, 3)})
+    model, _, _, _ = sampling_setup()
+    flat = CostModel([1, 64], [1.0, 1.0])  # drafting always pays: whole trees, whatever the batch
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4], [2, 3], [5, 1, 0, 2, 3, 3], [3, 1, 2, 3, 1]]
+    rows = [(p, {"temperature": 0.9, "seed": 40 + i} if i % 2 == 0 else {}) for i, p in enumerate(prompts)]
+    opened = [store_and_prompt_drafter(db_dsn) for _ in rows]
+    try:
+        sched = Scheduler(model, IdTokenizer(), max_batch=4, cost=flat, max_draft_tokens=7)
+        requests = [Request(p, max_tokens=16, drafter=d, **o) for (p, o), (d, _) in zip(rows, opened, strict=True)]
+        outcomes = drive(sched, list(enumerate(requests)))
+        alone = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=7, cost=flat)
+        for (prompt, options), outcome in zip(rows, outcomes, strict=True):
+            drafter, store = store_and_prompt_drafter(db_dsn)
+            try:
+                want = alone.generate(prompt, drafter=drafter, max_new_tokens=16, **options).output_token_ids
+            finally:
+                store.close()
+            assert outcome.result.output_token_ids == want, (prompt, options)
+        sampled = [o for (_, opts), o in zip(rows, outcomes, strict=True) if opts]
+        assert sum(o.accepted_draft_tokens for o in sampled) > 0, "no sampled row accepted a draft"
+    finally:
+        for _, store in opened:
+            store.close()

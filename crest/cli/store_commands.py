@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, Tokenizer
+from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, SuffixRule, Tokenizer
 from crest.config import DEFAULT_TOP_T
 
 
@@ -46,6 +46,7 @@ def ingest(
     selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
     keep: Keep = "count",
+    suffix_rule: SuffixRule = "lookup",
     blob_format: Annotated[
         int,
         typer.Option(envvar="CREST_BLOB_FORMAT", help="Tree blobs: 2 compact, 1 larger but faster to decode."),
@@ -94,6 +95,7 @@ def ingest(
         single_n=single_n,
         blob_format=blob_format,
         keep=keep,
+        suffix_rule=suffix_rule,
     )
     options = check_ingest(options, store=store, engine=engine, chunk_tokens=chunk_tokens, partitions=spark_partitions)
     if engine == "spark":

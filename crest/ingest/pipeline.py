@@ -37,6 +37,7 @@ from crest.ingest.publishing import (
     prepared,
     publish_summary,
 )
+from crest.ingest.suffixes import resolve_build
 from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
 
 __all__ = ["CHUNK_TOKENS", "IngestSummary", "Reuse", "Vocabulary", "build_store", "ingest", "publish_summary"]
@@ -44,6 +45,8 @@ __all__ = ["CHUNK_TOKENS", "IngestSummary", "Reuse", "Vocabulary", "build_store"
 
 class Reuse(RowReuse, Protocol):
     """Supplies rows of a previous version that need no rebuilding, and records how the version was built."""
+
+    decided: set[bytes]  # keys of the rows it copied, whose trees the previous version's suffix rule decided
 
     def record(self, build: db.Build, summary: IngestSummary) -> None:
         """Record in the build's params how it was built (before it is published)."""
@@ -168,6 +171,16 @@ def build_store(
         loader = RowLoader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
         loader.fixed_table, loader.reuse = token_table, reuse
         top_t = loader.load(tokens, offsets, counts, rep)
+        decided = resolve_build(  # the tree each row holds: crest.ingest.suffixes
+            build,
+            options=options,
+            vocab_size=vocabulary.size,
+            table=loader.table,
+            width=loader.width,
+            decided=reuse.decided if reuse is not None else (),
+        )
+        if decided is not None:
+            loader.nodes, loader.blob_bytes = decided
         build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
         rep.done("build trees + load")
         seconds["trees_load"] = time.perf_counter() - t0
