@@ -90,12 +90,11 @@ def test_sampled_tokens_have_the_distribution_of_plain_sampling(options: dict[st
     assert pvalue > 1e-3, pvalue
 
 
-def test_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same test catches a rule that accepts any drafted child the target finds plausible (p >= 0.1)."""
+def bias_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break the sampled acceptance rule: accept any drafted child the target finds plausible (p >= 0.1)."""
     import crest.decoding.generator
     from crest.decoding.sampling import sample_nodes
 
-    model, gen, prompt, draft = sampling_setup()
     seen: dict[str, torch.Tensor] = {}
 
     def spy(probs: torch.Tensor, generator: torch.Generator | None = None) -> list[int]:
@@ -117,6 +116,12 @@ def test_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(crest.decoding.generator, "sample_nodes", spy)
     monkeypatch.setattr(crest.decoding.generator, "accept_greedy", lenient)
+
+
+def test_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same test catches a rule that accepts any drafted child the target finds plausible (p >= 0.1)."""
+    model, gen, prompt, draft = sampling_setup()
+    bias_acceptance(monkeypatch)
     counts = two_token_counts(gen, prompt, draft, 600, **SAMPLING[0])
     assert chi_square_pvalue(counts, two_token_distribution(model, prompt, SAMPLING[0])) < 1e-6
 
@@ -153,8 +158,57 @@ def test_process_logits_matches_transformers_warpers(options: dict[str, Any]) ->
     torch.testing.assert_close(process_logits(logits, **options), want)
 
 
-def store_and_prompt_drafter(dsn: str) -> Any:
-    """Return a fresh crest+prompt drafter over store `six` (chains of tokens below 6 after every token)."""
+def batched_two_token_counts(model: Any, prompt: list[int], draft: Draft, trials: int, **options: Any):
+    """Return the counts [V, V] of the first two tokens of `trials` seeded sampled rows through the batched
+    scheduler, a greedy row beside every fourth (each checked against greedy decoding), and the draft tokens the
+    sampled rows accepted."""
+    from crest.decoding.sizing import CostModel
+    from crest.serving.scheduler import Request, Scheduler
+    from tests.fix_serving import drive
+
+    class Fixed:
+        def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft:
+            return draft
+
+    sched = Scheduler(model, IdTokenizer(), max_batch=8, cost=CostModel([1, 64], [1.0, 1.0]), max_draft_tokens=7)
+    requests = []
+    for seed in range(trials):
+        requests.append(Request(prompt, max_tokens=2, drafter=Fixed(), seed=seed, **options))
+        if seed % 4 == 0:
+            requests.append(Request(prompt, max_tokens=2, drafter=Fixed()))
+    outcomes = drive(sched, [(i // 4, r) for i, r in enumerate(requests)], limit=2 * len(requests))  # 4 join a step
+    greedy = SpeculativeGenerator(model, IdTokenizer()).generate(prompt, max_new_tokens=2).output_token_ids
+    counts = np.zeros((sched.gen.vocab, sched.gen.vocab))
+    accepted = 0
+    for request, outcome in zip(requests, outcomes, strict=True):
+        out = outcome.result.output_token_ids
+        if request.temperature == 0:
+            assert out == greedy
+        else:
+            counts[out[0], out[1]] += 1
+            accepted += outcome.accepted_draft_tokens
+    return counts, accepted
+
+
+@pytest.mark.parametrize("options", SAMPLING, ids=["temperature", "top-k-top-p"])
+def test_batched_sampled_rows_have_the_distribution_of_plain_sampling(options: dict[str, Any]) -> None:
+    model, _, prompt, draft = sampling_setup()
+    counts, accepted = batched_two_token_counts(model, prompt, draft, 1500, **options)
+    assert accepted > 100, "the sampled rows hardly verified their drafts"
+    pvalue = chi_square_pvalue(counts, two_token_distribution(model, prompt, options))
+    assert pvalue > 1e-3, pvalue
+
+
+def test_batched_chi_square_rejects_a_biased_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The power of the batched test: the biased rule, through the scheduler, is rejected with 600 rows."""
+    model, _, prompt, draft = sampling_setup()
+    bias_acceptance(monkeypatch)
+    counts, _ = batched_two_token_counts(model, prompt, draft, 600, **SAMPLING[0])
+    assert chi_square_pvalue(counts, two_token_distribution(model, prompt, SAMPLING[0])) < 1e-6
+
+
+def store_and_prompt_drafter(dsn: str) -> tuple[Any, Any]:
+    """Return a fresh crest+prompt drafter over store `six` (chains of tokens below 6) and the store it reads."""
     from crest_client import Store
 
     from crest.drafters.registry import make_drafter
