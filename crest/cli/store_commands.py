@@ -70,6 +70,19 @@ def ingest(
         int | None,
         typer.Option(envvar="CREST_SPARK_PARTITIONS", help="Token partitions (default: Spark's default parallelism)."),
     ] = None,
+    dense_model: Annotated[
+        str | None,
+        typer.Option(
+            envvar="CREST_DENSE_MODEL",
+            help="Also build a dense part (DReSD): this model's last hidden states at sampled corpus positions, "
+            "in pgvector, for --drafter dense, crest+dense and crest+dense+prompt (the model they generate with).",
+        ),
+    ] = None,
+    dense_dims: Annotated[int, typer.Option(help="Dense vector dimensions after PCA.")] = 64,
+    dense_positions: Annotated[int, typer.Option(help="Corpus positions sampled for the dense part.")] = 200_000,
+    dense_continuation: Annotated[
+        int, typer.Option(help="Tokens stored after each dense position (the first is the one it predicted).")
+    ] = 16,
     dsn: Dsn = None,
 ) -> None:
     """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store.
@@ -98,6 +111,13 @@ def ingest(
         suffix_rule=suffix_rule,
     )
     options = check_ingest(options, store=store, engine=engine, chunk_tokens=chunk_tokens, partitions=spark_partitions)
+    dense = None
+    if dense_model is not None:
+        from crest.ingest.dense import DenseOptions
+
+        dense = DenseOptions(
+            dense_model, dims=dense_dims, positions=dense_positions, continuation=dense_continuation, engine=engine
+        ).validate()
     if engine == "spark":
         from crest.ingest.spark import ingest_spark
 
@@ -126,6 +146,7 @@ def ingest(
             fmt=fmt,
             reporter=reporter,
             chunk_tokens=chunk_tokens,
+            dense=dense,
         )
     print_summary(summary)
 

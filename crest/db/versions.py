@@ -333,6 +333,7 @@ def _drop_tables(conn: psycopg.Connection[Any], sid: int) -> None:
     conn.execute("DELETE FROM crest_store_data WHERE store_id = %s", (sid,))
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ngram_table(sid)))
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(vocab_table(sid)))
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(f"crest_dense_s{int(sid)}")))  # dense part
 
 
 def list_stores(conn: psycopg.Connection[Any], *, include_all: bool = False) -> list[dict[str, Any]]:

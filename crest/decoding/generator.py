@@ -26,6 +26,7 @@ import torch
 from crest_client.draft import Draft, empty_draft
 
 from crest.decoding.cache import compact_cache
+from crest.decoding.hidden import feed_hidden, hidden_tap
 from crest.decoding.models import check_supported
 from crest.decoding.policy import DraftPolicy, room_left
 from crest.decoding.sampling import (
@@ -95,6 +96,8 @@ class DecodeState:
     verify_seconds: float = 0.0
     seconds: float = 0.0  # prefill to done
     stop_reason: str | None = None  # None while running, then length | eos | stop | context
+    tap: Any = None  # the model's HiddenTap when the drafter queries with hidden states, else None
+    hidden: Any = None  # with a tap: the last hidden state [H] that predicted context[-1] (None: unknown)
 
     @property
     def done(self) -> bool:
@@ -176,6 +179,7 @@ class SpeculativeGenerator:
             stop=stop,
             on_text=on_text,
         )
+        state.tap = hidden_tap(self.model, drafter)  # None unless the drafter queries with hidden states
         if self.adaptive and drafter is not None and not isinstance(drafter, NoneDrafter):
             self.cost()  # calibrate (or load the calibration) outside the timed generation
         self.prefill(state)
@@ -223,6 +227,8 @@ class SpeculativeGenerator:
             ids = torch.tensor([state.prompt[:-1]], device=self.device)  # [1, P-1]
             self.model(ids, past_key_values=state.cache, use_cache=True)
             state.prefill_seconds = time.perf_counter() - state.started
+            if state.tap is not None:
+                state.hidden = state.tap.row(-1)
 
     def step(self, state: DecodeState, drafter: Drafter | None) -> None:
         """Run one decoding step: draft, verify root + tree in one forward, accept a path, commit it."""
@@ -231,6 +237,8 @@ class SpeculativeGenerator:
         t1 = time.perf_counter()
         logits, kids = self.verify(state, draft)
         slots, new = self.accept(state, logits, kids)
+        if state.tap is not None:  # the state at the last accepted slot predicted the token emitted after it
+            state.hidden = state.tap.row(slots[-1] if slots else 0)
         state.draft_seconds += t1 - t0
         state.verify_seconds += time.perf_counter() - t1
         state.draft_tokens += len(draft)
@@ -242,6 +250,8 @@ class SpeculativeGenerator:
         """Return the draft to verify this step (cut to the room left and sized) and its expected accepted nodes."""
         if drafter is None or self.policy.skip(1):
             return empty_draft(), 0.0
+        if state.tap is not None:
+            feed_hidden(drafter, len(state.context), state.hidden)
         draft = self.policy.draft(drafter, state.context, room=self.room(state))
         sized, predicted = self.policy.size([draft])
         return sized[0], predicted

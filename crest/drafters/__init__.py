@@ -1,5 +1,6 @@
 """Drafters: everything that proposes a token tree for the verifier, behind one protocol and one registry."""
 
+from crest.drafters.dense import DenseDrafter
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.protocol import Drafter, NoneDrafter
@@ -10,6 +11,7 @@ from crest.drafters.trie import build_draft, match_path, merge_drafts, score_dra
 
 __all__ = [
     "NAMES",
+    "DenseDrafter",
     "Drafter",
     "MergedDrafter",
     "NoneDrafter",

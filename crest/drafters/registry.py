@@ -43,6 +43,7 @@ class Kind:
 NEEDS = {  # what each part is, as an option that gives it
     "store": "--store NAME",
     "rest_index": "--rest-index DIR (build one with `crest rest-index build`)",
+    "dense_index": "--store NAME with a dense part (build one with `crest ingest ... --dense-model MODEL`)",
 }
 
 _KINDS: dict[str, Kind] = {}
@@ -105,25 +106,26 @@ def check_drafter(
     holding one.
     """
     key, kind = _kind(name, where)
-    given = {"store": store, "rest_index": rest_index}
+    given = {"store": store, "rest_index": rest_index, "dense_index": store}
     for need in kind.needs:
         if not given[need]:
             raise _missing(key, need)
-    if "store" in kind.needs:
+    if "store" in kind.needs or "dense_index" in kind.needs:
         check_store_name(str(store))
     if "rest_index" in kind.needs:
         check_rest_index(str(rest_index))
     return key
 
 
-def make_drafter(name: str, *, store: Any = None, rest_index: Any = None) -> Drafter:
+def make_drafter(name: str, *, store: Any = None, rest_index: Any = None, dense_index: Any = None) -> Drafter:
     """Return the drafter called `name` built on parts already open.
 
     `store` is a `crest_client.Store` (or anything with its `draft` method); `rest_index` a `RestIndex` or the
-    directory of a saved one. A part the drafter does not need is ignored.
+    directory of a saved one; `dense_index` a `crest.drafters.dense_index.DenseIndex`. A part the drafter does not
+    need is ignored.
     """
     key, kind = _kind(name)
-    given = {"store": store, "rest_index": rest_index}
+    given = {"store": store, "rest_index": rest_index, "dense_index": dense_index}
     parts: dict[str, Any] = {}
     for need in kind.needs:
         if given[need] is None:
@@ -159,6 +161,12 @@ def open_drafter(
         )
     if "rest_index" in kind.needs:
         parts["rest_index"] = RestIndex.load(str(rest_index))
+    if "dense_index" in kind.needs:
+        from crest.drafters.dense_index import open_dense  # its kinds register from crest.drafters.dense
+
+        parts["dense_index"] = open_dense(
+            str(store), dsn=dsn, fingerprint=fingerprint, connect_timeout=connect_timeout, retry_interval=retry_interval
+        )
     return kind.build(parts)
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from crest_client.codec import TokenTable
@@ -39,6 +39,9 @@ from crest.ingest.publishing import (
 )
 from crest.ingest.suffixes import resolve_build
 from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+
+if TYPE_CHECKING:
+    from crest.ingest.dense import DenseOptions  # imports torch: only a dense build loads it
 
 __all__ = ["CHUNK_TOKENS", "IngestSummary", "Reuse", "Vocabulary", "build_store", "ingest", "publish_summary"]
 
@@ -90,8 +93,9 @@ def ingest(
     fmt: str = "auto",
     reporter: Reporter | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    dense: DenseOptions | None = None,
 ) -> IngestSummary:
-    """Build a new version of `store` from `inputs` and publish it atomically."""
+    """Build a new version of `store` from `inputs` and publish it atomically (with a dense part if `dense`)."""
     options = check_ingest(options, store=store, engine="inprocess", chunk_tokens=chunk_tokens)
     rep = reporter or SilentReporter()
     tokenizer = resolve_model_spec(tokenizer)
@@ -119,6 +123,7 @@ def ingest(
             reporter=rep,
             chunk_tokens=chunk_tokens,
             seconds=seconds,
+            dense=dense,
         )
     return summary
 
@@ -141,6 +146,7 @@ def build_store(
     seconds: dict[str, float] | None = None,
     token_table: TokenTable | None = None,
     reuse: Reuse | None = None,
+    dense: DenseOptions | None = None,
 ) -> IngestSummary:
     """Count, select (n-grams seen `min_count` times or more), build trees, load and publish a version of `store`.
 
@@ -187,6 +193,12 @@ def build_store(
 
         t0 = time.perf_counter()
         build.finish_tables()
+        if dense is not None:  # before publishing: the dense part is published and cleaned up with the version
+            from crest.ingest.dense import build_dense
+
+            t1 = time.perf_counter()
+            build_dense(build, tokens, offsets, options=dense, fingerprint=vocabulary.fingerprint, reporter=rep)
+            seconds["dense"] = time.perf_counter() - t1
         sizes = build.table_bytes()
         summary = IngestSummary(
             store=store,

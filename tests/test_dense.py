@@ -1,0 +1,279 @@
+"""Dense retrieval drafting on real PostgreSQL with pgvector and a tiny random model: ingest, ANN, drafters, faults."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+import pytest
+
+from crest.config import IngestOptions
+from crest.db import dense as dense_db
+from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.hidden import model_fingerprint
+from crest.drafters.dense import DenseDrafter, neighbour_draft
+from crest.drafters.dense_index import DenseIndex, open_dense
+from crest.drafters.registry import make_drafter, open_drafter
+from crest.errors import ConfigError, ModelError
+from crest.ingest.dense import DenseOptions, sample_positions
+from crest.ingest.pipeline import ingest
+from tests.fix_corpus import make_word_tokenizer, write_jsonl
+from tests.fix_models import tiny_model
+from tests.fix_proxy import Proxy
+
+WORDS = [f"w{i}" for i in range(30)]
+PROMPTS = ["w1 w2 w3 w4", "w5 w6 w7", "w0 w0 w8 w9 w10", "w11 w3 w12", "w13 w14", "w15 w16 w17 w18"]
+OPTIONS = IngestOptions(max_n=3, top_t=1000, continuation_length=6)
+DENSE_DRAFTERS = ("dense", "crest+dense", "crest+dense+prompt")
+
+
+def _save_tiny(directory: Path, *, seed: int) -> Path:
+    make_word_tokenizer(directory, WORDS)
+    model = tiny_model("llama", seed=seed, vocab=len(WORDS) + 2, max_positions=512)
+    model.config.eos_token_id = 1  # [EOS]
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A word tokenizer and a tiny random llama over its vocabulary."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-dense"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir: Path) -> Any:
+    from crest.decoding.models import load_model
+
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_dir: Path, loaded: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Documents of the tiny model's own greedy continuations (DReSD's best datastore: the model's outputs)."""
+    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False)
+    texts = []
+    for prompt in PROMPTS:
+        ids = loaded.tokenizer(prompt)["input_ids"]
+        out = gen.generate(ids, max_new_tokens=40).output_token_ids
+        texts.append(loaded.tokenizer.decode(ids + out, skip_special_tokens=True))
+    path = tmp_path_factory.mktemp("dense-corpus") / "corpus.jsonl"
+    return write_jsonl(path, [{"text": t} for t in texts])
+
+
+def _ingest(dsn: str, corpus: Path, tiny_dir: Path, **dense: Any) -> Any:
+    options = DenseOptions(str(tiny_dir), dims=16, positions=dense.pop("positions", 10_000), continuation=8, **dense)
+    return ingest([str(corpus)], store="words", tokenizer=str(tiny_dir), dsn=dsn, options=OPTIONS, dense=options)
+
+
+@pytest.fixture
+def dense_store(db_dsn: str, corpus: Path, tiny_dir: Path) -> Any:
+    return _ingest(db_dsn, corpus, tiny_dir)
+
+
+def test_sample_positions_have_two_tokens_after_them_in_their_document() -> None:
+    offsets = np.array([0, 5, 5, 6, 20], dtype=np.int64)  # lengths 5, 0, 1, 14
+    picked = sample_positions(offsets, count=1000, seed=1)
+    assert picked.tolist() == [0, 1, 2, *range(6, 18)]  # every valid position once, sorted
+    few = sample_positions(offsets, count=4, seed=1)
+    assert len(few) == 4 and set(few.tolist()) <= set(picked.tolist())
+
+
+def test_ingest_publishes_a_dense_part_with_the_model_fingerprint_and_unit_vectors(
+    db_dsn: str, dense_store: Any, loaded: Any
+) -> None:
+    with psycopg.connect(db_dsn) as conn:
+        meta = dense_db.read_meta(conn, dense_store.store_id)
+        assert meta is not None and meta.dims == 16 and meta.continuation == 8
+        assert meta.model_fingerprint == model_fingerprint(loaded.model)
+        rows = conn.execute(f"SELECT embedding::text, continuation FROM crest_dense_s{dense_store.store_id}").fetchall()
+        assert meta.figures["rows"] == len(rows) == dense_store.tokens - 2 * dense_store.documents
+        norms = [np.linalg.norm(json.loads(text)) for text, _ in rows]
+        assert np.allclose(norms, 1.0, atol=1e-4)
+        assert all(2 <= len(cont) <= 8 for _, cont in rows)
+        index = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = %s", (f"crest_dense_s{dense_store.store_id}",)
+        ).fetchone()
+        assert index is not None and "hnsw" in index[0]
+
+
+def test_ann_recall_against_exact_search(db_dsn: str) -> None:
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(40, 64))  # clustered, as hidden states are
+    vectors = (centres[rng.integers(0, 40, 4000)] + 0.7 * rng.normal(size=(4000, 64))).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    with psycopg.connect(db_dsn) as conn:
+        dense_db.ensure_vector(conn)
+        dense_db.create_table(conn, 999_999, dims=64)
+        dense_db.copy_rows(conn, 999_999, ((v, [i, i + 1]) for i, v in enumerate(vectors)))
+        dense_db.finish_table(conn, 999_999)
+        queries = vectors[:50] + 0.5 * rng.normal(size=(50, 64)).astype(np.float32)
+        queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        dense_db.tune(conn)
+        approx = dense_db.search(conn, 999_999, queries, k=10)
+        exact = dense_db.search(conn, 999_999, queries, k=10, exact=True)
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                "EXPLAIN SELECT 1 FROM crest_dense_s999999 ORDER BY embedding <#> %s::vector LIMIT 10",
+                (dense_db.vector_text(queries[0]),),
+            )
+        )
+    assert "crest_dense_s999999_hnsw" in plan  # the index answers, not a scan
+    truth = np.argsort(-(queries @ vectors.T), axis=1)[:, :10]
+    assert [[c[0] for c, _ in row] for row in exact] == truth.tolist()  # exact search is exact
+    recall = np.mean([len({c[0] for c, _ in a} & set(t.tolist())) / 10 for a, t in zip(approx, truth, strict=True)])
+    assert recall >= 0.9, recall
+    assert all(row[0][1] >= row[-1][1] for row in approx)  # best first
+
+
+def test_neighbour_draft_keeps_agreeing_neighbours_weighted_by_similarity() -> None:
+    found = [([5, 6, 7], 0.9), ([4, 9], 0.8), ([5, 6, 8], 0.5), ([5, 3], 0.2)]
+    tree = neighbour_draft(found, 5, tree_size=10)
+    assert tree is not None and tree.total == 900 + 800 + 500 + 200
+    assert tree.paths() == [[6], [6, 7], [6, 8], [3]]
+    assert tree.weights.tolist() == [1400, 900, 500, 200]
+    assert neighbour_draft(found, 11) is None
+
+
+@pytest.mark.parametrize("name", DENSE_DRAFTERS)
+def test_greedy_output_is_exact_with_every_dense_drafter(db_dsn: str, dense_store: Any, loaded: Any, name: str) -> None:
+    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False, max_draft_tokens=24)
+    drafter = open_drafter(name, store="words", dsn=db_dsn)
+    drafted = accepted = 0
+    for prompt in [*PROMPTS, "w2 w9 w9 w4 w0"]:
+        ids = loaded.tokenizer(prompt)["input_ids"]
+        plain = gen.generate(ids, max_new_tokens=30)
+        spec = gen.generate(ids, drafter=drafter, max_new_tokens=30)
+        assert spec.output_token_ids == plain.output_token_ids, (name, prompt)
+        drafted += spec.draft_tokens
+        accepted += spec.new_tokens - spec.forward_passes
+    assert drafted > 0 and accepted > 30  # the model's own continuations are found and accepted
+
+
+def test_dense_alone_drafts_its_model_outputs(db_dsn: str, dense_store: Any, loaded: Any) -> None:
+    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False, max_draft_tokens=24)
+    drafter = make_drafter("dense", dense_index=open_dense("words", dsn=db_dsn))
+    ids = loaded.tokenizer(PROMPTS[0])["input_ids"]
+    result = gen.generate(ids, drafter=drafter, max_new_tokens=30)
+    assert result.mean_accepted_length > 2.0  # the corpus holds this very continuation
+    parts = drafter.drafted_parts(drafter.draft([0], 4), context_length=1)
+    assert parts == {}  # no hidden state for that context: no draft, no part
+
+
+def test_another_model_than_the_dense_parts_is_a_clear_error(
+    db_dsn: str, dense_store: Any, tmp_path: Path, loaded: Any
+) -> None:
+    from crest.decoding.models import load_model
+
+    other = load_model(str(_save_tiny(tmp_path / "other", seed=4)))
+    gen = SpeculativeGenerator(other.model, other.tokenizer, adaptive=False)
+    drafter = open_drafter("crest+dense+prompt", store="words", dsn=db_dsn)
+    with pytest.raises(ModelError, match="dense part was built with model"):
+        gen.generate([2, 3, 4], drafter=drafter, max_new_tokens=4)
+
+
+def test_a_store_without_a_dense_part_is_a_clear_error(db_dsn: str, corpus: Path, tiny_dir: Path) -> None:
+    ingest([str(corpus)], store="plain", tokenizer=str(tiny_dir), dsn=db_dsn, options=OPTIONS)
+    with pytest.raises(ConfigError, match="has no dense part"):
+        open_drafter("dense", store="plain", dsn=db_dsn)
+
+
+def test_database_down_means_no_drafts_and_no_error(db_dsn: str, dense_store: Any, loaded: Any) -> None:
+    proxy, via = Proxy.fronting(db_dsn)
+    index = open_dense("words", dsn=via, retry_interval=0.0)  # down from the start: said once, no error
+    drafter = DenseDrafter(index)
+    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False, max_draft_tokens=16)
+    ids = loaded.tokenizer(PROMPTS[0])["input_ids"]
+    plain = gen.generate(ids, max_new_tokens=20)
+    down = gen.generate(ids, drafter=drafter, max_new_tokens=20)
+    assert down.output_token_ids == plain.output_token_ids and down.draft_tokens == 0
+    proxy.up()
+    try:
+        up = gen.generate(ids, drafter=drafter, max_new_tokens=20)
+        assert up.output_token_ids == plain.output_token_ids and up.draft_tokens > 0  # answers again: drafts
+        index.retry_interval = 3600.0  # no reconnecting within this test (a closed listener may still accept)
+        proxy.down()  # goes down mid-use: the open connection breaks
+        again = gen.generate(ids, drafter=drafter, max_new_tokens=20)
+        assert again.output_token_ids == plain.output_token_ids and again.draft_tokens == 0
+    finally:
+        proxy.down()
+        index.close()
+
+
+def test_a_new_version_is_picked_up_once_the_old_one_is_dropped(
+    db_dsn: str, dense_store: Any, corpus: Path, tiny_dir: Path
+) -> None:
+    index = DenseIndex("words", dsn=db_dsn).open()
+    assert index.meta is not None and index.meta.store_id == dense_store.store_id
+    newer = _ingest(db_dsn, corpus, tiny_dir, positions=50)
+    hidden = np.zeros((1, index.meta.hidden_size), dtype=np.float32)
+    assert index.search(hidden, k=4) == [[]]  # the old version's table is gone: nothing this once
+    assert len(index.search(hidden, k=4)[0]) == 4 and index.meta.store_id == newer.store_id
+    index.close()
+
+
+def _wait_unlocked(dsn: str, timeout: float = 30.0) -> None:
+    """Wait until no session holds a build's liveness lock (the server noticed the killed client)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objsubid = 2",
+                (0x4352,),
+            ).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            time.sleep(0.05)
+    pytest.fail("the killed ingest's session still holds its lock")
+
+
+def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
+    db_dsn: str, dense_store: Any, corpus: Path, tiny_dir: Path, tmp_path: Path
+) -> None:
+    args = [sys.executable, "-m", "crest.cli", "ingest", str(corpus), "--store", "words", "--tokenizer",
+            str(tiny_dir), "--top-t", "1000", "--max-n", "3", "--quiet", "--dense-model", str(tiny_dir),
+            "--dense-dims", "8"]  # fmt: skip
+    env = {
+        **os.environ,
+        "CREST_DATABASE_URL": db_dsn,
+        "CREST_HOME": str(tmp_path / "home"),
+        "CREST_FAULT_PAUSE": "dense",
+    }
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or ()], daemon=True).start()
+    said: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "crest-fault-pause dense\n" not in said and proc.poll() is None:
+        with contextlib.suppress(queue.Empty):
+            said.append(lines.get(timeout=0.5))
+    proc.kill()
+    proc.wait()
+    assert "crest-fault-pause dense\n" in said, "".join(said)[-2000:]
+    _wait_unlocked(db_dsn)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        states = dict(conn.execute("SELECT id, state FROM crest_stores WHERE name = 'words'").fetchall())
+        killed = max(states)
+        assert states == {dense_store.store_id: "published", killed: "building"}
+        assert conn.execute("SELECT to_regclass(%s)", (f"crest_dense_s{killed}",)).fetchone() != (None,)
+        index = DenseIndex("words", dsn=db_dsn).open()  # readers still get the previous dense part
+        assert index.meta is not None and index.meta.store_id == dense_store.store_id
+        index.close()
+        from crest.db.versions import clean_leftovers
+
+        assert clean_leftovers(conn) == [killed]
+        assert conn.execute("SELECT to_regclass(%s)", (f"crest_dense_s{killed}",)).fetchone() == (None,)
+        assert conn.execute("SELECT count(*) FROM crest_dense").fetchone() == (1,)
