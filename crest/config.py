@@ -28,6 +28,7 @@ __all__ = [
     "ENV_FAULT_PAUSE",
     "FAULT_STAGES",
     "KEEP_RULES",
+    "SUFFIX_RULES",
     "NAME_RE",
     "SELECTION_MODES",
     "SMOLLM2_ALIASES",
@@ -61,6 +62,9 @@ def parse_size(text: str) -> int:
 
 SELECTION_MODES = ("combined", "single", "upto")  # which n-gram lengths are kept (crest.ingest.ngrams.lengths_for)
 KEEP_RULES = ("count", "savings", "marginal")  # which n-grams of a length are kept (crest.ingest.selection)
+# which tree a stored n-gram's row holds (crest.ingest.suffixes): lookup = its own (the client's lookup rule then
+# chooses among a context's stored suffixes), backoff = decided at ingest (its own merged with its suffixes')
+SUFFIX_RULES = ("lookup", "backoff")
 DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
 DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (the most recent ones)
 
@@ -80,6 +84,7 @@ class IngestOptions:
     single_n: int | None = None
     blob_format: int = 2  # 2: compact (bit-packed, ranked tokens); 1: byte arrays, cheaper to decode
     keep: str = "count"  # count: top-t by count | savings, marginal: by expected saved tokens (crest.ingest.selection)
+    suffix_rule: str = "lookup"  # lookup | backoff: the tree each row holds (crest.ingest.suffixes)
 
     def validate(self) -> IngestOptions:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -103,6 +108,8 @@ class IngestOptions:
             raise ConfigError(f"unknown selection {self.selection!r}: use {_either(SELECTION_MODES)}")
         if self.keep not in KEEP_RULES:
             raise ConfigError(f"unknown --keep {self.keep!r}: use {_either(KEEP_RULES)}")
+        if self.suffix_rule not in SUFFIX_RULES:
+            raise ConfigError(f"unknown --suffix-rule {self.suffix_rule!r}: use {_either(SUFFIX_RULES)}")
         if self.selection == "single" and not (self.single_n and 1 <= self.single_n <= self.max_n):
             raise ConfigError("selection 'single' needs an n between 1 and --max-n")
         return self

@@ -10,6 +10,7 @@ version, and one killed after copying rows leaves the previous live version publ
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,13 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_word_tokenizer(tmp_path_factory.mktemp("incremental-tokenizer"), VOCAB)
 
 
-def make_static(dsn: str, tokenizer_dir: Path, tmp_path: Path, stores: tuple[str, ...] = STORES) -> None:
+def make_static(
+    dsn: str, tokenizer_dir: Path, tmp_path: Path, stores: tuple[str, ...] = STORES, options: IngestOptions = OPTIONS
+) -> None:
     """Publish the same static version of each store (the words of the first 40 ids, twice)."""
     corpus = write_jsonl(tmp_path / "static.jsonl", [{"text": " ".join(VOCAB[:40])}] * 2)
     for store in stores:
-        ingest([str(corpus)], store=store, tokenizer=str(tokenizer_dir), dsn=dsn, options=OPTIONS)
+        ingest([str(corpus)], store=store, tokenizer=str(tokenizer_dir), dsn=dsn, options=options)
 
 
 def random_rows(rng: np.random.Generator, count: int, longest: int) -> list[list[int]]:
@@ -96,9 +99,9 @@ STREAMS = [
 
 
 @pytest.mark.parametrize(
-    ("seed", "window", "per_append", "longest", "appends"),
-    STREAMS,
-    ids=["sliding", "append-only", "long-cut-rows", "many-short-rows"],
+    ("seed", "window", "per_append", "longest", "appends", "suffix_rule"),
+    [(*stream, "lookup") for stream in STREAMS] + [(*STREAMS[0], "backoff"), (*STREAMS[2], "backoff")],
+    ids=["sliding", "append-only", "long-cut-rows", "many-short-rows", "sliding-backoff", "long-cut-rows-backoff"],
 )
 def test_incremental_refresh_equals_a_full_rebuild(
     db_dsn: str,
@@ -109,8 +112,9 @@ def test_incremental_refresh_equals_a_full_rebuild(
     per_append: tuple[int, int],
     longest: int,
     appends: int,
+    suffix_rule: str,
 ) -> None:
-    make_static(db_dsn, tokenizer_dir, tmp_path)
+    make_static(db_dsn, tokenizer_dir, tmp_path, options=replace(OPTIONS, suffix_rule=suffix_rule))
     rng = np.random.default_rng(seed)
     append_learned(db_dsn, "other", [[5, 6]])  # another store's rows interleave the ids
     modes, reused, built, sampled = [], 0, 0, 0

@@ -65,6 +65,7 @@ class AcceptOptions:
     percents: tuple[float, ...] = REST_PERCENTS
     top_t: tuple[int, ...] = ()  # empty: chosen to give sizes in REST's range
     keep: tuple[str, ...] = ("count",)  # savings, marginal: also a store per top-t at the count store's bytes
+    suffix_rule: str = "lookup"  # the tree each row holds (crest.ingest.suffixes); backoff stores are named _backoff
     max_n: int = 4
     limit: int | None = None
     max_new_tokens: int = 128
@@ -403,11 +404,12 @@ def run_accept(
     crest = []
     if any(d.startswith("crest") for d in opts.drafters):
         for t in tops:
-            options = IngestOptions(max_n=opts.max_n, top_t=t, seed=opts.seed)
+            options = IngestOptions(max_n=opts.max_n, top_t=t, seed=opts.seed, suffix_rule=opts.suffix_rule)
+            rule = "" if opts.suffix_rule == "lookup" else f"_{opts.suffix_rule}"
             crest.append(
                 build_store(
                     corpus,
-                    name=f"acc_{setting}_t{t}",
+                    name=f"acc_{setting}_t{t}{rule}",
                     tokenizer=model,
                     dsn=dsn,
                     options=options,

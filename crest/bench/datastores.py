@@ -203,6 +203,8 @@ def build_store(
     params |= {**asdict(options), "format": corpus.fmt}
     if options.keep == "count":
         params.pop("keep")  # stores recorded before --keep existed are the count rule's: reuse them
+    if options.suffix_rule == "lookup":
+        params.pop("suffix_rule")  # and before --suffix-rule existed, each row's own tree
     published = _published(dsn, name)
     recorded = manifest.get(name, {})
     reused = not rebuild and published is not None and recorded == {**params, "store_id": published["id"]}

@@ -41,6 +41,7 @@ class TextLookup:
     rule: str = "expected"  # the suffix rule that picked the suffix
     suffix_ids: list[int] = field(default_factory=list)  # the matched suffix: the text's last draft.n tokens
     suffix_pieces: list[str] = field(default_factory=list)
+    source: str = ""  # where the matched row's tree came from (the store's --suffix-rule)
 
 
 def lookup_text(
@@ -64,6 +65,7 @@ def lookup_text(
         ids = tok.encode(text)
         draft = handle.draft(ids, max_nodes=max_nodes)
         used = handle.rule
+        source = tree_source(dsn, handle, ids[len(ids) - draft.n :] if draft is not None and draft.n else [], used)
     tokens = draft.tokens.tolist() if draft is not None else []
     suffix = ids[len(ids) - draft.n :] if draft is not None and draft.n else []
     return TextLookup(
@@ -72,7 +74,29 @@ def lookup_text(
         rule=used,
         suffix_ids=[int(t) for t in suffix],
         suffix_pieces=[tok.hf.decode([int(t)]) for t in suffix],
+        source=source,
     )
+
+
+def tree_source(dsn: str, handle: Store, suffix: list[int], rule: str) -> str:
+    """Return where the matched suffix's stored tree came from: its own n-gram's, or decided at ingest."""
+    if not suffix:
+        return ""
+    built = str(handle.info.params.get("suffix_rule", "lookup"))
+    if built == "lookup":
+        return f"its own occurrences (the {rule} rule chose this suffix at lookup)"
+    keys = handle.candidate_keys(suffix)  # the matched n-gram and its suffixes the filter may hold, longest first
+    query = psycopg.sql.SQL("SELECT n, count FROM {} WHERE key = ANY(%s) ORDER BY n DESC").format(
+        psycopg.sql.Identifier(f"crest_ngrams_s{handle.info.id}")
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(query, (keys,)).fetchall()
+    counts = {int(n): int(c) for n, c in rows}
+    own = counts.pop(len(suffix), 0)
+    shorter = ", ".join(f"n={n}: seen {c}" for n, c in counts.items())
+    if not shorter:
+        return f"decided at ingest ({built}): its own occurrences (seen {own}); no shorter suffix is stored"
+    return f"decided at ingest ({built}): its own occurrences (seen {own}) backed off to its suffixes' ({shorter})"
 
 
 @dataclass

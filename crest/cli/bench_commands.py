@@ -25,6 +25,7 @@ from crest.cli.options import (
     Out,
     ReadDsn,
     StoreName,
+    SuffixRule,
     Tokenizer,
 )
 from crest.config import DEFAULT_TOP_T
@@ -300,6 +301,7 @@ def bench_accept_cmd(
             "per top-t, built with the count store's bytes as its --budget).",
         ),
     ] = "count",
+    suffix_rule: SuffixRule = "lookup",
     max_n: Annotated[int, typer.Option(help="crest stores' largest n.")] = 4,
     limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
     max_new_tokens: MaxNewTokens = 128,
@@ -333,6 +335,7 @@ def bench_accept_cmd(
         percents=tuple(float(v) for v in sizes.split(",") if v.strip()),
         top_t=_ints(top_t),
         keep=tuple(k.strip() for k in keep.split(",") if k.strip()),
+        suffix_rule=suffix_rule,
         max_n=max_n,
         limit=limit,
         max_new_tokens=max_new_tokens,

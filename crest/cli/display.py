@@ -126,6 +126,7 @@ def print_draft(found: TextLookup, *, as_json: bool = False) -> None:
                 "n": draft.n,
                 "rule": found.rule,
                 "suffix": {"tokens": found.suffix_ids, "text": found.suffix_pieces},
+                "source": found.source,
                 "tokens": draft.tokens.tolist(),
                 "parents": draft.parents.tolist(),
                 "weights": draft.weights.tolist(),
@@ -140,7 +141,7 @@ def print_draft(found: TextLookup, *, as_json: bool = False) -> None:
     suffix = escape(" ".join(repr(p) for p in found.suffix_pieces))
     root = Tree(
         f"[bold]matched suffix {suffix}[/bold] ({draft.n} token(s), rule {found.rule}), {len(draft)} nodes; "
-        "node: text (id, weight)"
+        f"node: text (id, weight)\ntree: {escape(found.source)}"
     )
     nodes: list[Tree] = []
     for i, (parent, weight) in enumerate(zip(draft.parents.tolist(), draft.weights.tolist(), strict=True)):

@@ -94,6 +94,17 @@ Tokenizer = Annotated[
 ]
 Format = Annotated[str, typer.Option("--format", help="auto, sharegpt, jsonl or files.")]
 Inputs = Annotated[list[str], typer.Argument(metavar="INPUTS", help="Files, directories or globs to read.")]
+SuffixRule = Annotated[
+    str,
+    typer.Option(
+        "--suffix-rule",
+        envvar="CREST_BUILD_SUFFIX_RULE",
+        show_envvar=True,
+        help="The tree each stored n-gram's row holds: lookup (its own; the client's suffix rule chooses among a "
+        "context's stored suffixes at each lookup) or backoff (decided here: its own tree merged with its "
+        "suffixes', as n-gram models back off, so a lookup fetches one row).",
+    ),
+]
 Keep = Annotated[
     str,
     typer.Option(

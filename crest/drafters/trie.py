@@ -3,21 +3,20 @@
 `build_draft` builds the weighted trie of a set of continuations (REST's Algorithm 2) and keeps its heaviest
 nodes in the canonical order of `crest_client.order` (weight descending, then depth, then token id, then the
 parent's position), the order stored trees use too, so parents precede children and any prefix is the best
-subtree of its size. `merge_drafts` merges several trees into one in the same order. `match_path` walks a
-draft along known tokens (what greedy verification accepts): the replay benchmark and the merged drafter's
-scoring (`score_draft`) both use it.
+subtree of its size. `merge_drafts`, `match_path` and `score_draft` live in the torch-free client
+(`crest_client.merge`: the store's tier merge uses them) and are handed on from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
-from crest_client.draft import Draft, empty_draft, path_probabilities
-from crest_client.order import best_first, order_small, rank_level
+from crest_client.draft import Draft, empty_draft
+from crest_client.merge import MERGE_SCALE, match_path, merge_drafts, ordered, score_draft
+from crest_client.order import best_first, rank_level
 
-MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
+__all__ = ["MERGE_SCALE", "build_draft", "match_path", "merge_drafts", "score_draft"]
 
 
 _SMALL = 320  # continuation tokens (rows x width) up to which a Python dict builds the trie faster than numpy
@@ -68,14 +67,7 @@ def _large_draft(rows: np.ndarray, *, tree_size: int, n: int) -> Draft:
 
 def _order(tokens: list[int], parents: list[int], weights: list[int], *, tree_size: int, n: int) -> Draft:
     """Put a small tree built in Python lists (parents first) in the canonical order and cut it."""
-    order = order_small(tokens, parents, weights)[:tree_size]
-    position = {i: k for k, i in enumerate(order)}
-    return Draft(
-        np.array([tokens[i] for i in order], dtype=np.int64),
-        np.array([position[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=np.int32),
-        np.array([weights[i] for i in order], dtype=np.int64),
-        int(n),
-    )
+    return ordered(tokens, parents, weights, tree_size=tree_size, n=n)
 
 
 def _as_rows(continuations: Sequence[Sequence[int] | np.ndarray] | np.ndarray) -> np.ndarray:
@@ -186,69 +178,3 @@ def _select(
     position[order] = np.arange(order.shape[0])
     new_parents = np.where(parents[order] >= 0, position[np.maximum(parents[order], 0)], -1)
     return Draft(tokens[order].astype(np.int64), new_parents.astype(np.int32), weights[order].astype(np.int64), int(n))
-
-
-def merge_drafts(
-    drafts: Sequence[Draft | None], *, shares: Sequence[float] | None = None, tree_size: int = 64
-) -> Draft:
-    """Merge trees into one: a node's weight is the share-weighted sum of its acceptance estimates.
-
-    A tree's estimate for a node is its weight over the summed weights of the tree's root children (the
-    fraction of that tree's continuations through the node). Weights are made non-increasing down each
-    input first, so the merged weights are too; they are scaled by `MERGE_SCALE` and rounded. The merged
-    draft's `total` is `MERGE_SCALE`, so shares below 1 lower the estimates instead of being normalised away.
-    """
-    shares = [1.0] * len(drafts) if shares is None else list(shares)
-    slot: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-    tokens: list[int] = []
-    parents: list[int] = []
-    mass: list[float] = []
-    n = 0
-    for draft, share in zip(drafts, shares, strict=True):
-        if draft is None or len(draft) == 0:
-            continue
-        n = max(n, draft.n)
-        weight = draft.weights.astype(np.float64).tolist()
-        local: list[int] = []
-        for i, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.parents.tolist(), strict=True)):
-            if parent >= 0:
-                weight[i] = min(weight[i], weight[parent])
-            up = local[parent] if parent >= 0 else -1
-            j = slot.setdefault((up, token), len(tokens))
-            if j == len(tokens):
-                tokens.append(token)
-                parents.append(up)
-                mass.append(0.0)
-            local.append(j)
-        total = sum(w for w, p in zip(weight, draft.parents.tolist(), strict=True) if p < 0) or 1.0
-        for i, j in enumerate(local):
-            mass[j] += share * weight[i] / total
-    weights = [max(1, round(m * MERGE_SCALE)) for m in mass]
-    return replace(_order(tokens, parents, weights, tree_size=tree_size, n=n), total=MERGE_SCALE)
-
-
-def match_path(draft: Draft, tokens: Sequence[int]) -> list[int]:
-    """Return the nodes of the deepest draft path spelling a prefix of `tokens`, root child first.
-
-    This is what greedy verification accepts when the target's next tokens are `tokens`.
-    """
-    parents, ids, known = draft.parents.tolist(), draft.tokens.tolist(), len(tokens)
-    depth = [0] * len(ids)
-    ok = [False] * len(ids)
-    best = -1
-    for i, (token, up) in enumerate(zip(ids, parents, strict=True)):  # parents precede children
-        depth[i] = depth[up] + 1 if up >= 0 else 1
-        ok[i] = (up < 0 or ok[up]) and depth[i] <= known and token == tokens[depth[i] - 1]
-        if ok[i] and (best < 0 or depth[i] > depth[best]):
-            best = i
-    path = []
-    while best >= 0:
-        path.append(best)
-        best = parents[best]
-    return path[::-1]
-
-
-def score_draft(draft: Draft, tokens: Sequence[int]) -> tuple[int, float]:
-    """Return (nodes on the path spelled by `tokens`, predicted accepted nodes at depths <= len(tokens))."""
-    predicted = float(path_probabilities(draft)[draft.depths() <= len(tokens)].sum())
-    return len(match_path(draft, tokens)), predicted

@@ -161,7 +161,11 @@ class PreviousRows:
         self.reason = plan.reason
         self.width = token_width(vocab_size)
         self.max_matches = options.max_matches
+        self.backoff = options.suffix_rule != "lookup"  # a row's tree depends on its suffixes' rows too
         self.reused = 0
+        self.decided: set[bytes] = set()  # keys of the copied rows (their trees decided by the previous version)
+        self._keys: dict[tuple[int, int], np.ndarray] = {}  # (version, n) -> its stored keys of length n
+        self._copied: dict[int, np.ndarray] = {}  # n -> keys of the length-n rows copied
         self.changed: dict[int, np.ndarray] = {}  # n -> sorted keys of the n-grams of the changed rows
         if self.previous is not None and plan.changed:
             tokens = np.concatenate(plan.changed).astype(np.int32)
@@ -177,7 +181,14 @@ class PreviousRows:
             return done, 0, 0
         keys = _key_bytes(ngrams, self.width)
         changed = self.changed.get(n, np.zeros(0, dtype=keys.dtype))
-        wanted = np.flatnonzero((counts <= self.max_matches) & ~np.isin(keys, changed))
+        unchanged = ~np.isin(keys, changed)
+        for k in range(1, n if self.backoff else 1):  # a row's tree hangs on its suffixes' rows: copy those first
+            suffixes = _key_bytes(np.asarray(ngrams)[:, n - k :], self.width)
+            absent = ~np.isin(suffixes, self._stored(build, build.store_id, k))
+            unchanged &= np.isin(suffixes, self._copied.get(k, suffixes[:0])) | (
+                absent & ~np.isin(suffixes, self._stored(build, self.previous, k))
+            )
+        wanted = np.flatnonzero((counts <= self.max_matches) & unchanged)
         if wanted.shape[0] == 0:
             return done, 0, 0
         query = sql.SQL(
@@ -191,10 +202,22 @@ class PreviousRows:
             rows = build.conn.execute(query, params, binary=True).fetchall()
         fault_pause("reuse")  # rows copied, the version not published
         if rows:
+            self.decided.update(bytes(k) for k, _, _ in rows)
             copied = np.array([bytes(k) for k, _, _ in rows], dtype=keys.dtype)
+            self._copied[n] = np.concatenate([self._copied.get(n, copied[:0]), copied])
             done[wanted] = np.isin(keys[wanted], copied)
         self.reused += len(rows)
         return done, sum(int(r[2]) for r in rows), sum(int(r[1]) for r in rows)
+
+    def _stored(self, build: db.Build, version: int, n: int) -> np.ndarray:
+        """Return the keys of length-n rows of a version (the new one's lengths below the one copied are complete)."""
+        found = self._keys.get((version, n))
+        if found is None:
+            query = sql.SQL("SELECT key FROM {} WHERE n = %s").format(db.ngram_table(version))
+            with build.conn.transaction():
+                keys = [bytes(k) for (k,) in build.conn.execute(query, (n,), binary=True)]
+            found = self._keys[(version, n)] = np.array(keys, dtype=f"S{n * self.width}")
+        return found
 
     def record(self, build: db.Build, summary: IngestSummary) -> None:
         """Record in the build's params whether it was incremental, and the rows it reused and built."""
