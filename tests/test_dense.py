@@ -82,12 +82,15 @@ def dense_store(db_dsn: str, corpus: Path, tiny_dir: Path) -> Any:
     return _ingest(db_dsn, corpus, tiny_dir)
 
 
-def test_sample_positions_have_two_tokens_after_them_in_their_document() -> None:
+def test_sample_positions_draw_whole_windows_with_two_tokens_after_each_position() -> None:
     offsets = np.array([0, 5, 5, 6, 20], dtype=np.int64)  # lengths 5, 0, 1, 14
-    picked = sample_positions(offsets, count=1000, seed=1)
-    assert picked.tolist() == [0, 1, 2, *range(6, 18)]  # every valid position once, sorted
-    few = sample_positions(offsets, count=4, seed=1)
-    assert len(few) == 4 and set(few.tolist()) <= set(picked.tolist())
+    everything = sample_positions(offsets, count=1000, seed=1, window=4)
+    assert everything.tolist() == [0, 1, 2, *range(6, 18)]  # every valid position once, sorted
+    few = sample_positions(offsets, count=4, seed=1, window=4)
+    assert len(few) == 4 and set(few.tolist()) <= set(everything.tolist())
+    windows = {(int(p) - 6) // 4 for p in sample_positions(offsets, count=8, seed=2, window=4) if p >= 6}
+    assert len(windows) <= 3  # whole windows of the 14-token document, not scattered positions
+    assert sample_positions(np.array([0, 2, 3]), count=5, seed=0, window=4).shape == (0,)
 
 
 def test_ingest_publishes_a_dense_part_with_the_model_fingerprint_and_unit_vectors(

@@ -1,14 +1,15 @@
 """The dense part of a store version (DReSD): the target's hidden states at sampled corpus positions, in pgvector.
 
 `build_dense` runs inside a version's build, before it is published, so the dense part is published, retired
-and cleaned up with the n-gram part. It samples up to `positions` corpus positions (seeded, each with at least
-two tokens after it in its document), runs the model over the windows holding them (`window` tokens, batched,
-right-padded, which a causal model never sees; no LM head), and writes each sampled position's last hidden state
-to a float32 file on disk while it accumulates their first and second moments (of at most `fit_limit` of them),
-so memory holds one batch and an H x H matrix, not the states. From the moments: the mean and standard deviation
-standardise, the top `dims` eigenvectors of the standardised covariance reduce (PCA), and each reduced vector is
-L2-normalised; the vectors are then streamed from the file into the version's pgvector table with the `continuation`
-tokens after their position (the first of them is the token the state predicted) and indexed with HNSW.
+and cleaned up with the n-gram part. It samples up to `positions` corpus positions (seeded whole windows of
+`window` tokens, each position with at least two tokens after it in its document), runs the model over those
+windows (batched, right-padded, which a causal model never sees; no LM head), and writes each sampled
+position's last hidden state to a float32 file on disk while it accumulates their first and second moments (of
+at most `fit_limit` of them), so memory holds one batch and an H x H matrix, not the states. From the moments:
+the mean and standard deviation standardise, the top `dims` eigenvectors of the standardised covariance reduce
+(PCA), and each reduced vector is L2-normalised; the vectors are then streamed from the file into the version's
+pgvector table with the `continuation` tokens after their position (the first of them is the token the state
+predicted) and indexed with HNSW.
 """
 
 from __future__ import annotations
@@ -66,18 +67,35 @@ class DenseOptions:
         return self
 
 
-def sample_positions(offsets: np.ndarray, *, count: int, seed: int) -> np.ndarray:
-    """Return up to `count` sorted corpus positions, seeded, each with at least two tokens after it in its document."""
+def sample_positions(offsets: np.ndarray, *, count: int, seed: int, window: int) -> np.ndarray:
+    """Return up to `count` sorted corpus positions, each with at least two tokens after it in its document.
+
+    Whole windows are drawn (seeded; a window is `window` tokens of one document, aligned to its start) and all
+    their positions kept, since one forward over a window yields every position's state: the model runs over
+    about `count` tokens, not over the corpus.
+    """
     # offsets: [D + 1]; a document of length m has m - 2 positions with two tokens after them
-    lengths = np.maximum(np.diff(offsets) - 2, 0)  # [D]
-    total = int(lengths.sum())
-    if total == 0:
+    lengths = np.maximum(np.diff(offsets), 0)  # [D]
+    per_doc = -(-lengths // window)  # [D] windows per document
+    first = np.concatenate(([0], np.cumsum(per_doc)))  # [D + 1]
+    if first[-1] == 0:
         return np.zeros(0, dtype=np.int64)
-    rng = np.random.default_rng(seed)
-    picked = np.sort(rng.choice(total, size=min(count, total), replace=False)).astype(np.int64)  # ranks
-    ends = np.cumsum(lengths)  # [D]
-    doc = np.searchsorted(ends, picked, side="right")  # [S]
-    return offsets[doc] + (picked - (ends[doc] - lengths[doc]))
+    doc = np.repeat(np.arange(lengths.shape[0]), per_doc)  # [W] document of each window
+    start = offsets[doc] + (np.arange(first[-1]) - first[doc]) * window  # [W]
+    valid = np.maximum(np.minimum(start + window, offsets[doc + 1] - 2) - start, 0)  # [W] positions per window
+    order = np.random.default_rng(seed).permutation(first[-1])
+    taken = order[: int(np.searchsorted(np.cumsum(valid[order]), count)) + 1]  # windows until `count` positions
+    taken = np.sort(taken[valid[taken] > 0])
+    if taken.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    picked = np.concatenate([np.arange(start[w], start[w] + valid[w]) for w in taken.tolist()])
+    return picked[:count].astype(np.int64) if picked.shape[0] <= count else _thin(picked, count, seed)
+
+
+def _thin(picked: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """Return `count` of the sorted positions, seeded, still sorted."""
+    keep = np.sort(np.random.default_rng(seed + 1).choice(picked.shape[0], size=count, replace=False))
+    return picked[keep].astype(np.int64)
 
 
 def build_dense(
@@ -107,7 +125,7 @@ def build_dense(
     conn = build.conn
     dense_db.ensure_vector(conn)
     offsets = np.asarray(offsets, dtype=np.int64)
-    positions = sample_positions(offsets, count=options.positions, seed=options.seed)
+    positions = sample_positions(offsets, count=options.positions, seed=options.seed, window=options.window)
     if positions.shape[0] == 0:
         raise ConfigError("no corpus position has two tokens after it: the corpus is too short for a dense part")
     hidden = int(model.config.hidden_size)
