@@ -144,7 +144,17 @@ def test_draft_parts_returns_static_and_live_in_one_statement(db_dsn: str) -> No
         assert _firsts(parts) == [[300, 600], [None, 700], [None, None], [400, None]]
         assert _firsts([handle.draft_parts([3, 4, 5])]) == [[300, 600]]  # cached: no statement
         assert handle.stats["queries"] == before + 1
-        assert handle.draft([3, 4, 5]) is not None and int(handle.draft([3, 4, 5]).tokens[0]) == 300  # type: ignore[union-attr]
+        static = handle.draft([3, 4, 5], tier="static")
+        assert static is not None and int(static.tokens[0]) == 300
+        live = handle.draft([3, 4, 5], tier="live")
+        assert live is not None and int(live.tokens[0]) == 600
+        both = handle.draft([3, 4, 5])  # the default: every published tier's tree, merged
+        assert both is not None and {300, 600} <= set(both.tokens.tolist())
+        many = handle.draft_many([[3, 4, 5]])[0]
+        assert many is not None and many.tokens.tolist() == both.tokens.tolist()
+        assert handle.stats["queries"] == before + 1  # all from the cache
+        with pytest.raises(CrestClientError, match="unknown tier 'warm'"):
+            handle.draft([3, 4, 5], tier="warm")
 
 
 def test_draft_parts_follows_a_live_tier_published_later(db_dsn: str) -> None:

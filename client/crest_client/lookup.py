@@ -21,6 +21,10 @@ import numpy as np
 import psycopg
 from psycopg import pq
 
+from crest_client.batch_codec import decode_trees
+from crest_client.codec import decode_tree
+from crest_client.draft import Draft
+from crest_client.errors import CodecError
 from crest_client.keyfilter import MUL, SEED
 
 
@@ -92,6 +96,35 @@ batch_keys = candidate_keys  # the name earlier releases exported
 
 _STRUCT_CODES = {1: "B", 2: "H", 4: "I"}  # big-endian token widths struct packs in one call
 _M64 = (1 << 64) - 1
+
+
+def decode_rows(rows: Sequence[tuple[int, bytes]], info: Any) -> tuple[list[Draft | None], list[str]]:
+    """Decode many (n, tree) rows of a version at once; return the drafts (None where corrupt) and the errors."""
+    if not rows:
+        return [], []
+    try:
+        drafts: list[Draft | None] = list(decode_trees([t for _, t in rows], [n for n, _ in rows], table=info.table))
+        if all(_in_vocabulary(tree, draft, info) for (_, tree), draft in zip(rows, drafts, strict=True)):
+            return drafts, []
+    except CodecError:
+        pass
+    drafts, errors = [], []  # one by one: a corrupt tree is a miss, the others still draft
+    for n, tree in rows:
+        try:
+            draft = decode_tree(tree, n=int(n), table=info.table)
+            if not _in_vocabulary(tree, draft, info):
+                raise CodecError(f"a token id is outside the store's vocabulary of {info.vocab_size}")
+            drafts.append(draft)
+        except CodecError as exc:
+            drafts.append(None)
+            errors.append(str(exc))
+    return drafts, errors
+
+
+def _in_vocabulary(tree: bytes, draft: Draft | None, info: Any) -> bool:
+    """Return whether a decoded tree's ids are the store's (ranked blobs' ids come from the checked table)."""
+    ranked = tree[:1] == b"\x02" and len(tree) > 1 and tree[1] & 1
+    return draft is None or not len(draft) or bool(ranked) or int(draft.tokens.max()) < info.vocab_size
 
 
 INT4_ARRAY, BYTEA_ARRAY = 1007, 1001  # type oids of the batch statement's parameters

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,16 +25,25 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from crest_client._cache import TierCaches
 from crest_client._connections import Connections, LookupTimeout, open_pool
-from crest_client.batch_codec import decode_trees
 from crest_client.choice import choose, resolve_rule
-from crest_client.codec import decode_tree
 from crest_client.draft import Draft
-from crest_client.errors import CodecError, FingerprintMismatch
+from crest_client.errors import CrestClientError, FingerprintMismatch
 from crest_client.hosts import check_dsn, resolve_read_dsn
 from crest_client.info import PUBLISHED_SQL, StoreInfo, read_info, read_live
-from crest_client.lookup import BYTEA_ARRAY, INT4_ARRAY, bytea_array, candidate_keys, int4_array, lookup_sql, numbered
+from crest_client.lookup import (
+    BYTEA_ARRAY,
+    INT4_ARRAY,
+    bytea_array,
+    candidate_keys,
+    decode_rows,
+    int4_array,
+    lookup_sql,
+    numbered,
+)
 from crest_client.names import check_store_name
+from crest_client.tiers import TIERS, PartScales, merge_parts
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +79,15 @@ class Store:
         self._follow_live = follow_live
         self.name = info.name
         self._fingerprint = tokenizer_fingerprint
-        self._cache_size = max(0, int(cache_size))
-        self._cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()  # static tier, by tail
-        self._live_cache: OrderedDict[tuple[int, ...], Draft | None] = OrderedDict()  # live tier, by tail
         self._lock = threading.Lock()
+        self._caches = TierCaches(cache_size, self._lock)
+        self._cache = self._caches.tiers[0]  # the static tier's, by tail
         self._timeout = float(timeout)
         self._refresh_interval = float(refresh_interval)
         self._checked = time.monotonic()
         self._warned: set[str] = set()
         self.stats = {"lookups": 0, "hits": 0, "errors": 0, "timeouts": 0, "queries": 0}
+        self._tiers = PartScales(len(TIERS))  # the learned scales of `draft`'s tier merge
 
     @classmethod
     def connect(
@@ -147,13 +155,36 @@ class Store:
         """Return the keys of the tail's suffixes that may be stored (all, without a filter), longest first."""
         return candidate_keys([tail], self.info)[1]
 
-    def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> Draft | None:
-        """Return the static tier's tree for the context (its longest stored suffix's), or None."""
-        return self.draft_many_parts([context_ids], max_nodes, live=False)[0][0]
+    def draft(
+        self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64, *, tier: str | None = None
+    ) -> Draft | None:
+        """Return the context's tree: every published tier's merged (`crest_client.tiers`), or one `tier`'s; or None.
 
-    def draft_many(self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64) -> list[Draft | None]:
-        """Return the static tier's drafts for many contexts, all looked up in one statement."""
-        return [parts[0] for parts in self.draft_many_parts(contexts, max_nodes, live=False)]
+        The merge scales each tier by how often its trees proved right on the tokens that followed earlier calls
+        (one sequence per handle learns best; crest's drafters keep one `PartScales` per request).
+        """
+        return self._drafts([context_ids], max_nodes, tier=tier, learn=True)[0]
+
+    def draft_many(
+        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64, *, tier: str | None = None
+    ) -> list[Draft | None]:
+        """Return the drafts for many contexts (tiers merged, or one `tier`'s), all looked up in one statement."""
+        return self._drafts(contexts, max_nodes, tier=tier, learn=False)
+
+    def _drafts(
+        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int, *, tier: str | None, learn: bool
+    ) -> list[Draft | None]:
+        if tier is not None and tier not in TIERS:
+            raise CrestClientError(f"unknown tier {tier!r}: use {' or '.join(TIERS)}, or None for all")
+        if tier == "static" or (tier is None and self.live is None):
+            return [parts[0] for parts in self.draft_many_parts(contexts, max_nodes, live=False)]
+        found = self.draft_many_parts(contexts, max_nodes)
+        if tier == "live":
+            return [parts[1] for parts in found]
+        if learn:
+            return [self._tiers.merge(c, p, max_nodes=max_nodes) for c, p in zip(contexts, found, strict=True)]
+        scales = self._tiers.scales()
+        return [merge_parts(parts, scales, max_nodes=max_nodes) for parts in found]
 
     def draft_parts(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> list[Draft | None]:
         """Return [static draft, live draft] for the context, both looked up in one round trip."""
@@ -170,7 +201,7 @@ class Store:
         self.stats["lookups"] += len(contexts)
         for attempt in range(2):  # a second try after the version we knew was dropped
             infos = [self.info] + ([self.live] if live and self.live is not None else [])
-            missing = self._cached(infos, tails, out, max_nodes)
+            missing = self._caches.fill(len(infos), tails, out, max_nodes)
             if attempt == 0:
                 self.stats["hits"] += len(contexts) - len(missing[0])
             try:
@@ -182,30 +213,12 @@ class Store:
             except (psycopg.Error, PoolTimeout) as exc:
                 self._note_failure(exc)
                 return out
-            self._remember(infos, missing, tails, found)
+            current = [info is (self.info, self.live)[part] for part, info in enumerate(infos)]
+            self._caches.remember(current, missing, tails, found)
             for (part, i), draft in found.items():
                 out[i][part] = draft.truncate(max_nodes) if draft is not None else None
             return out
         return out
-
-    def _cached(
-        self, infos: list[StoreInfo], tails: list[tuple[int, ...]], out: list[list[Draft | None]], max_nodes: int
-    ) -> list[list[int]]:
-        """Fill `out` from each tier's cache; return, per tier, the contexts still to look up."""
-        missing: list[list[int]] = []
-        with self._lock:
-            for part in range(len(infos)):
-                cache, todo = (self._cache, self._live_cache)[part], []
-                for i, tail in enumerate(tails):
-                    found = cache.get(tail, _MISSING) if self._cache_size else _MISSING
-                    if found is _MISSING:
-                        if tail:
-                            todo.append(i)
-                    else:
-                        cache.move_to_end(tail)
-                        out[i][part] = found.truncate(max_nodes) if found is not None else None
-                missing.append(todo)
-        return missing
 
     def _every(self, info: StoreInfo) -> bool:
         """Return whether a lookup of this version fetches every stored suffix (the `expected` rule's choice)."""
@@ -260,27 +273,6 @@ class Store:
         limit = int(info.params.get("max_matches", 5000) or 5000)
         return [group[choose([(r[2], r[3], r[4]) for r in group], max_matches=limit)] for group in groups.values()]
 
-    def _remember(
-        self,
-        infos: list[StoreInfo],
-        missing: list[list[int]],
-        tails: list[tuple[int, ...]],
-        found: dict[tuple[int, int], Draft | None],
-    ) -> None:
-        """Cache each looked-up tail's draft (None for a miss) in its tier's cache."""
-        if not self._cache_size:
-            return
-        with self._lock:
-            for part, info in enumerate(infos):
-                cache = (self._cache, self._live_cache)[part]
-                if info is not (self.info, self.live)[part]:
-                    continue  # the version changed meanwhile
-                for i in missing[part]:
-                    if tails[i]:
-                        cache[tails[i]] = found.get((part, i))
-                while len(cache) > self._cache_size:
-                    cache.popitem(last=False)
-
     def learn(
         self,
         token_ids: Sequence[int] | np.ndarray,
@@ -307,8 +299,7 @@ class Store:
     def clear_cache(self) -> None:
         """Forget every cached draft."""
         with self._lock:
-            self._cache.clear()
-            self._live_cache.clear()
+            self._caches.clear()
 
     def close(self) -> None:
         """Write what `learn` queued, and close the pool."""
@@ -323,31 +314,12 @@ class Store:
         self.close()
 
     def _to_drafts(self, rows: list[tuple[int, bytes]], info: StoreInfo) -> list[Draft | None]:
-        """Decode many (n, tree) rows at once; on a corrupt one, each alone (a corrupt tree is a miss)."""
-        if not rows:
-            return []
-        try:
-            drafts = decode_trees([tree for _, tree in rows], [n for n, _ in rows], table=info.table)
-        except CodecError:
-            return [self._to_draft(row, info) for row in rows]
-        for (_, tree), draft in zip(rows, drafts, strict=True):
-            ranked = tree[:1] == b"\x02" and len(tree) > 1 and tree[1] & 1  # ids from the checked table
-            if len(draft) and not ranked and int(draft.tokens.max()) >= info.vocab_size:
-                return [self._to_draft(row, info) for row in rows]
-        return list(drafts)
-
-    def _to_draft(self, row: tuple[int, bytes], info: StoreInfo) -> Draft | None:
-        n, tree = row
-        try:
-            draft = decode_tree(tree, n=int(n), table=info.table)
-            ranked = tree[:1] == b"\x02" and len(tree) > 1 and tree[1] & 1  # ids from the checked table
-            if len(draft) and not ranked and int(draft.tokens.max()) >= info.vocab_size:
-                raise CodecError(f"a token id is outside the store's vocabulary of {info.vocab_size}")
-            return draft
-        except CodecError as exc:
+        """Decode many (n, tree) rows at once (a corrupt tree is a miss, counted and logged once)."""
+        drafts, errors = decode_rows(rows, info)
+        for error in errors:
             self.stats["errors"] += 1
-            self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {exc}")
-            return None
+            self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {error}")
+        return drafts
 
     def _switch_version(self) -> bool:
         """Re-read which versions are published; on a change, follow them and drop their caches."""
@@ -376,7 +348,7 @@ class Store:
         if info.id != self.info.id:
             with self._lock:
                 self.info = info
-                self._cache.clear()
+                self._caches.clear(0)
         return True
 
     def _switch_live(self, live_id: int | None) -> None:
@@ -391,7 +363,7 @@ class Store:
                 return
         with self._lock:
             self.live = live
-            self._live_cache.clear()
+            self._caches.clear(1)
 
     def _note_failure(self, exc: BaseException) -> None:
         """Count a failure of the database; the first one is logged (one line for the handle's life).
@@ -416,7 +388,6 @@ class Store:
 
 
 _BYTEA = 17  # type oid
-_MISSING: Any = object()
 
 
 def _int(value: bytes) -> int:

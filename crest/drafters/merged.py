@@ -1,26 +1,23 @@
-"""The merged drafter (`crest+prompt`): one tree from two drafters, each part weighted by how often it proves right."""
+"""The merged drafter (`crest+prompt`): one tree from two drafters, each part weighted by how often it proves right.
+
+The rule (normalise each part's tree, scale it by its learned ratio of right to predicted nodes, merge) is the
+torch-free client's (`crest_client.tiers`: `merge_parts`, `PartScales`), the same the SDK's `Store.draft` merges a
+store's tiers with.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 from crest_client.draft import Draft
+from crest_client.tiers import LEARN_DECAY, LEARN_WINDOW, MAX_SCALE, MIN_SCALE, PartScales, merge_parts
 
 from crest.drafters.protocol import Drafter, drafted_parts
-from crest.drafters.trie import merge_drafts, score_draft
 
 log = logging.getLogger(__name__)
 
-
-MIN_SCALE, MAX_SCALE = 0.02, 2.0  # bounds of a merged part's learned scale
-
-
-LEARN_DECAY = 0.97  # per observed step: the learned scales follow the last ~30 steps
-
-
-LEARN_WINDOW = 256  # tokens appended since the last call beyond which a merged drafter does not score
+__all__ = ["LEARN_DECAY", "LEARN_WINDOW", "MAX_SCALE", "MIN_SCALE", "MergedDrafter"]
 
 
 class MergedDrafter:
@@ -38,33 +35,26 @@ class MergedDrafter:
     def __init__(self, primary: Drafter, secondary: Drafter, *, secondary_share: float = 1.0) -> None:
         self.primary, self.secondary, self.secondary_share = primary, secondary, secondary_share
         self._failed: set[int] = set()
-        self._right = [0.0, 0.0]  # decayed nodes proved right, per part
-        self._predicted = [0.0, 0.0]  # decayed nodes the part's weights predicted, same depths
-        self._last: tuple[int, int, list[Draft | None]] | None = None  # (context length, last token, trees)
+        self._scales = PartScales(2)
 
     def scales(self) -> tuple[float, float]:
         """Return each part's observed ratio of right to predicted nodes (1.0 before any evidence)."""
-        a, b = ((r + 1.0) / (p + 1.0) for r, p in zip(self._right, self._predicted, strict=True))
-        return float(np.clip(a, MIN_SCALE, MAX_SCALE)), float(np.clip(b, MIN_SCALE, MAX_SCALE))
+        a, b = self._scales.scales()
+        return a, b
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         """Return the merged tree of both drafters' trees, or None when neither drafts."""
-        self._learn(context_ids)
+        self._scales.observe(context_ids)
         trees = [
             self._part(0, self.primary, context_ids, max_nodes),
             self._part(1, self.secondary, context_ids, max_nodes),
         ]
-        self._last = (len(context_ids), int(context_ids[-1]), trees) if len(context_ids) else None
-        if max_nodes <= 0 or all(t is None or len(t) == 0 for t in trees):
-            return None
-        a, b = self.scales()
-        tree = merge_drafts(trees, shares=(a, b * self.secondary_share), tree_size=max_nodes)
-        return tree if len(tree) else None
+        self._scales.remember(context_ids, trees)
+        return merge_parts(trees, self.scales(), max_nodes=max_nodes, shares=(1.0, self.secondary_share))
 
     def last_trees(self, context_length: int) -> list[Draft | None] | None:
         """Return each part's tree of the call for a context of this length (None when the last call was not it)."""
-        last = self._last
-        return last[2] if last is not None and last[0] == context_length else None
+        return self._scales.last_trees(context_length)
 
     def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
         """Return both drafters' parts behind the merged tree drafted for a context of this length."""
@@ -73,22 +63,6 @@ class MergedDrafter:
         for part, part_tree in zip((self.primary, self.secondary), trees or (), strict=False):
             found.update(drafted_parts(part, part_tree, context_length=context_length))
         return found
-
-    def _learn(self, context_ids: Sequence[int]) -> None:
-        """Score the last call's trees against the tokens appended since, when the context grew from it."""
-        if self._last is None:
-            return
-        length, token, trees = self._last
-        self._last = None
-        if not length < len(context_ids) <= length + LEARN_WINDOW or int(context_ids[length - 1]) != token:
-            return  # a new request, or too far apart to score
-        appended = [int(t) for t in context_ids[length:]]
-        for which, tree in enumerate(trees):
-            if tree is None or len(tree) == 0:
-                continue
-            right, predicted = score_draft(tree, appended)
-            self._right[which] = LEARN_DECAY * self._right[which] + right
-            self._predicted[which] = LEARN_DECAY * self._predicted[which] + predicted
 
     def _part(self, which: int, drafter: Drafter, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         try:
