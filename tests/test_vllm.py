@@ -224,14 +224,205 @@ def test_proposer_settings(words_store: str, word_tokenizer_dir: Path, caplog: p
     config = _config(word_tokenizer_dir)
     with pytest.raises(ConfigError, match="unknown drafter"):
         CrestProposer(config, settings=VllmSettings(drafter="rest"))  # a REST index lives in one process
-    with pytest.raises(ConfigError, match="CREST_STORE is not set"):
+    with pytest.raises(ConfigError, match="set CREST_STORE"):
         CrestProposer(config, settings=VllmSettings(drafter="crest"))
     with caplog.at_level(logging.WARNING):
         missing = CrestProposer(config, settings=VllmSettings(store="nothing", read_dsn=words_store))
     assert missing.name == "prompt" and missing.learner is None and "cannot be used" in caplog.text
+    alone = CrestProposer(config, settings=VllmSettings(store="nothing", drafter="crest", read_dsn=words_store))
+    assert alone.name == "none" and alone.propose([[3]], np.array([4]), np.array([[2, 3, 4, 3]])) == [[]]
     assert CrestProposer(config, settings=VllmSettings()).name == "prompt"
     env = {"CREST_STORE": "code", "CREST_DRAFTER": "Crest", "CREST_LEARN": "off", "CREST_DATABASE_URL": "x"}
     assert vllm_settings(env) == VllmSettings(store="code", drafter="crest", learn=False, dsn="x")
     assert vllm_settings({}) == VllmSettings()
     with pytest.raises(ConfigError, match="CREST_LEARN"):
         vllm_settings({"CREST_LEARN": "maybe"})
+
+
+# --- a real vLLM (slow): SmolLM2 exported by crest, served without speculation, then with crest's proposer ---
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    "class Stack:\n    def __init__(self):",
+    "def is_prime(n):",
+    'def read_json(path):\n    """Read a JSON file and return its content."""',
+    "# Sort a list of numbers\ndef bubble_sort(items):",
+]
+MAX_TOKENS = 40
+TAUGHT = 3  # the store holds the no-speculation outputs of the first TAUGHT prompts (the others: wrong drafts)
+
+
+def _vllm_python() -> str | None:
+    """Return a Python that imports vLLM: CREST_VLLM_PYTHON, else this one when it has vLLM, else None."""
+    import importlib.util
+    import os
+    import sys
+
+    given = os.environ.get("CREST_VLLM_PYTHON")
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+class VllmServer:
+    """vLLM's OpenAI server in a subprocess (its own process group), up once /health answers."""
+
+    def __init__(self, python: str, model: Path, log: Path, *, spec: dict[str, Any] | None, env: dict[str, str]):
+        import os
+        import socket
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.model, self.log = str(model), log
+        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", "float32"]
+        args += ["--port", str(self.port), "--max-model-len", "1024", "--max-num-seqs", "8", "--seed", "0", "-O0"]
+        if spec is not None:
+            args += ["--speculative-config", json.dumps(spec)]
+        full = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
+
+    def wait_ready(self, *, timeout: float = 900.0) -> None:
+        """Wait until the server answers /health; fail with its log's tail when it exits or the deadline passes."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)  # polling a condition under a deadline
+        pytest.fail(f"vLLM did not answer within {timeout:.0f} s:\n{self.tail()}")
+
+    def complete(self, prompts: list[str]) -> list[str]:
+        """Return the greedy completions of the prompts, sent at once (one batch)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+
+        def one(prompt: str) -> str:
+            body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            reply = httpx.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=300)
+            reply.raise_for_status()
+            return str(reply.json()["choices"][0]["text"])
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+
+    def counters(self) -> dict[str, float]:
+        """Return vLLM's spec-decode counters from /metrics (drafts, draft tokens, accepted tokens)."""
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            name = line.split("{")[0]
+            if name.startswith("vllm:spec_decode_num_") and name.endswith("_total"):
+                found[name.removeprefix("vllm:spec_decode_num_")] = float(line.rsplit(" ", 1)[1])
+        return found
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after 60 s)."""
+        import os
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(pg_server: str, tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Any:
+    """vLLM's greedy texts without speculation, then a vLLM serving with CrestProposer (drafter crest) on a store
+    of some of those texts, its database reached through a proxy that a test can switch off."""
+    import uuid
+
+    from psycopg import sql
+
+    from crest.db.versions import upgrade
+    from crest.decoding.export import export_hf
+
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
+    root = tmp_path_factory.mktemp("vllm")
+    model = export_hf("smollm2", root / "smollm2")
+    plain = VllmServer(python, model, root / "plain.log", spec=None, env={})
+    try:
+        plain.wait_ready()
+        baseline = plain.complete(PROMPTS)
+    finally:
+        plain.stop()
+    name = f"crest_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    info = psycopg.conninfo.conninfo_to_dict(pg_server)
+    dsn = psycopg.conninfo.make_conninfo(**{**{k: str(v) for k, v in info.items()}, "dbname": name})
+    upgrade(dsn)
+    corpus = root / "taught.jsonl"
+    records = [json.dumps({"text": p + t}) for p, t in list(zip(PROMPTS, baseline, strict=True))[:TAUGHT]]
+    corpus.write_text("\n".join(records * 5) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="taught", tokenizer=str(smollm2_gguf), dsn=dsn, options=IngestOptions(top_t=5000))
+    proxy, proxied = Proxy.fronting(dsn)
+    proxy.up()
+    env = {"CREST_STORE": "taught", "CREST_DRAFTER": "crest", "CREST_LEARN": "1"}
+    env |= {"CREST_DATABASE_URL": proxied, "CREST_READ_DATABASE_URL": proxied}
+    spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": K}
+    server = VllmServer(python, model, root / "crest.log", spec=spec, env=env)
+    try:
+        server.wait_ready()
+        yield SimpleNamespace(server=server, baseline=baseline, proxy=proxy, dsn=dsn)
+    finally:
+        server.stop()
+        proxy.down()
+        with psycopg.connect(pg_server, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.mark.slow
+def test_vllm_with_crest_is_exact_and_accepts_store_drafts(served: Any) -> None:
+    import time
+
+    before = served.server.counters()
+    texts = served.server.complete(PROMPTS)
+    assert texts == served.baseline  # greedy: token for token what vLLM gives without speculation
+    after = served.server.counters()
+    drafted = after["draft_tokens_total"] - before.get("draft_tokens_total", 0.0)
+    accepted = after["accepted_tokens_total"] - before.get("accepted_tokens_total", 0.0)
+    assert drafted > 0 and accepted >= 10, (drafted, accepted)  # drafter crest: every draft is the store's
+    deadline = time.monotonic() + 60
+    rows: list[Any] = []
+    while time.monotonic() < deadline and len(rows) < len(PROMPTS):  # each finished request teaches the store
+        with psycopg.connect(served.dsn) as conn:
+            rows = conn.execute("SELECT source, new_tokens, accepted_tokens FROM crest_learned").fetchall()
+        time.sleep(0.5)
+    assert len(rows) >= len(PROMPTS) and all(src.startswith("vllm@") and new == MAX_TOKENS for src, new, _ in rows)
+    assert sum(acc for *_, acc in rows) > 0
+
+
+@pytest.mark.slow
+def test_vllm_serves_on_when_the_database_goes_down(served: Any) -> None:
+    served.proxy.down()
+    try:
+        assert served.server.complete(PROMPTS) == served.baseline  # no drafts from the store, the same text
+        assert served.server.complete(PROMPTS[:2]) == served.baseline[:2]
+        assert served.server.proc.poll() is None and "Traceback" not in served.server.tail(400)
+    finally:
+        served.proxy.up()

@@ -13,54 +13,15 @@ from __future__ import annotations
 
 import os
 
-from crest_client.errors import InvalidDsn
+from crest_client._dsn import LOAD_BALANCE, SESSION_ATTRS, check_dsn, hosts
 from crest_client.names import ENV_DSN, resolve_dsn
 
 ENV_READ_DSN = "CREST_READ_DATABASE_URL"
-SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
-LOAD_BALANCE = ("disable", "random")
 
-__all__ = ["ENV_DSN", "ENV_READ_DSN", "check_dsn", "hosts", "resolve_read_dsn"]
+__all__ = ["ENV_DSN", "ENV_READ_DSN", "LOAD_BALANCE", "SESSION_ATTRS", "check_dsn", "hosts", "resolve_read_dsn"]
 
 
 def resolve_read_dsn(read: str | None = None, *, dsn: str | None = None) -> str:
     """Return the readers' DSN: `read`, else `dsn`, else CREST_READ_DATABASE_URL, else resolve_dsn()."""
     given = read or dsn or os.environ.get(ENV_READ_DSN)
     return given if given else resolve_dsn(None)
-
-
-def hosts(dsn: str) -> list[str]:
-    """Return 'host:port' for each server the DSN names, in the order a connection tries them."""
-    params = _params(dsn)
-    names = (params.get("host") or params.get("hostaddr") or "localhost").split(",")
-    ports = (params.get("port") or "5432").split(",")
-    if len(ports) not in (1, len(names)):
-        raise InvalidDsn(f"the DSN names {len(names)} hosts but {len(ports)} ports: give one port, or one per host")
-    ports = ports * len(names) if len(ports) == 1 else ports
-    for port in ports:
-        if port and not (port.isdigit() and 0 < int(port) < 65536):
-            raise InvalidDsn(f"the DSN's port {port!r} is not a port number")
-    return [f"{name or 'localhost'}:{port or '5432'}" for name, port in zip(names, ports, strict=True)]
-
-
-def check_dsn(dsn: str) -> str:
-    """Return `dsn` when libpq can use it (hosts and ports match, known session attributes), else raise InvalidDsn."""
-    params = _params(dsn)
-    hosts(dsn)
-    named, addresses = params.get("host"), params.get("hostaddr")
-    if named and addresses and len(named.split(",")) != len(addresses.split(",")):
-        raise InvalidDsn("the DSN's host and hostaddr lists differ in length")
-    for key, allowed in (("target_session_attrs", SESSION_ATTRS), ("load_balance_hosts", LOAD_BALANCE)):
-        value = params.get(key)
-        if value is not None and value not in allowed:
-            raise InvalidDsn(f"the DSN's {key}={value!r} is not one of {', '.join(allowed)}")
-    return dsn
-
-
-def _params(dsn: str) -> dict[str, str]:
-    import psycopg
-
-    try:
-        return {k: str(v) for k, v in psycopg.conninfo.conninfo_to_dict(dsn).items() if v is not None}
-    except psycopg.Error as exc:
-        raise InvalidDsn(f"the DSN cannot be parsed: {' '.join(str(exc).split())}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 
+from crest_client._dsn import check_dsn
 from crest_client.errors import InvalidName
 
 ENV_DSN = "CREST_DATABASE_URL"
@@ -31,8 +32,6 @@ def resolve_dsn(option: str | None = None) -> str:
 
     A given DSN that can only fail (see `crest_client.hosts.check_dsn`) raises InvalidDsn before any connection.
     """
-    from crest_client.hosts import check_dsn
-
     if option:
         return check_dsn(option)
     env = os.environ.get(ENV_DSN)

@@ -256,19 +256,19 @@ class CrestProposer:
         if "store" not in kind_of(name).needs:
             return name
         if store is None:
-            return self._without_store(name, "CREST_STORE is not set")
+            if name != "crest+prompt":
+                raise ConfigError(f"CREST_DRAFTER={name} drafts from a store: set CREST_STORE")
+            log.warning("CREST_STORE is not set: drafting with prompt lookup only")
+            return "prompt"
         try:
             fingerprint = _fingerprint(vllm_config)
             self.store = open_store(store, dsn=self.settings.read_dsn, fingerprint=fingerprint)
         except Exception as exc:  # a missing store or another tokenizer's: vLLM serves on without it
-            return self._without_store(name, f"store {store!r} cannot be used ({type(exc).__name__}: {exc})")
+            rest = "prompt" if name == "crest+prompt" else "none"
+            log.warning("store %r cannot be used (%s: %s): drafting with %s", store, type(exc).__name__, exc,
+                        "prompt lookup only" if rest == "prompt" else "nothing")  # fmt: skip
+            return rest
         return name
-
-    def _without_store(self, name: str, why: str) -> str:
-        if name != "crest+prompt":
-            raise ConfigError(f"CREST_DRAFTER={name} drafts from a store, but {why}")
-        log.warning("%s: drafting with prompt lookup only", why)
-        return "prompt"
 
     def _learner(self) -> Learner | None:
         if not self.settings.learn or self.store is None or self.settings.store is None:
