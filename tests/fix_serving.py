@@ -23,6 +23,15 @@ from crest.serving.scheduler import Outcome, Request, Scheduler
 from tests.fix_models import tiny_model
 
 
+def greedy_reference(model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Return `model.generate`'s greedy output for the prompt alone."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+    )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
 class Running:
     """A server running in a thread: its base URL, engine and model."""
 
@@ -45,11 +54,8 @@ class Running:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
 
     def reference(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
-        out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-        return [int(t) for t in out[0, len(prompt_ids) :]]
+        """Return `model.generate`'s greedy output for the prompt alone."""
+        return greedy_reference(self.model, prompt_ids, max_tokens)
 
     def stop(self) -> None:
         self.server.should_exit = True
