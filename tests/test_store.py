@@ -428,7 +428,7 @@ def test_store_drafter_opened_while_the_database_is_down_drafts_once_it_is_back(
     for _ in range(20):  # a step never waits for the database
         t0 = time.monotonic()
         assert drafter.draft([3, 4, 5], 8) is None
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < 1.0  # a refused connection is instant: waiting would take seconds; headroom
         time.sleep(0.01)
     gate.open()
     deadline = time.monotonic() + 20.0
