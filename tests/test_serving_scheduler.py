@@ -347,3 +347,19 @@ def test_a_batch_of_one_takes_the_generators_own_steps(seed: int) -> None:
     assert got.result.accepted_per_step == alone.accepted_per_step
     assert got.result.draft_tokens == alone.draft_tokens > 0
     assert 0 < alone.forward_passes < alone.new_tokens  # the drafts were verified and some paid
+
+
+def test_packed_batches_draft_more_than_padded_ones_of_unequal_rows() -> None:
+    """vLLM packs rows: a long draft beside empty ones costs its own tokens, not every row padded to it."""
+    from crest.decoding.policy import batch_draft_sizes
+
+    chain = Draft(np.arange(8), np.arange(-1, 7, dtype=np.int32), np.array([90, 80, 70, 60, 50, 40, 30, 20]))
+    none = Draft(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
+    cpu = CostModel([1, 4, 16, 64], [0.065, 0.080, 0.125, 0.240])
+    drafts = [chain] + [none] * 7
+    padded = batch_draft_sizes(drafts, cpu, acceptance_scale=0.8)[0]
+    packed = batch_draft_sizes(drafts, cpu, acceptance_scale=0.8, packed=True)[0]
+    assert padded < packed
+    assert batch_draft_sizes([chain], cpu, acceptance_scale=0.8, packed=True) == batch_draft_sizes(
+        [chain], cpu, acceptance_scale=0.8
+    )

@@ -83,11 +83,17 @@ class DraftPolicy:
         cost: CostSource | None = None,
         vocab: int | None = None,
         backoff: bool = True,
+        packed: bool = False,
     ) -> None:
-        """`cost` is the forward cost curve, or a function that returns it when first needed (a calibration)."""
+        """`cost` is the forward cost curve, or a function that returns it when first needed (a calibration).
+
+        `packed`: the engine packs rows of different widths into one forward (vLLM) instead of padding every
+        row to the widest (crest's scheduler), so a step costs the sum of the rows' tokens.
+        """
         if budget < 0:
             raise ConfigError(f"the draft budget must be >= 0, got {budget}")
         self.budget, self.adaptive, self.vocab, self.backoff = int(budget), adaptive, vocab, backoff
+        self.packed = packed
         self._source = cost
         self._cost: StepCost | None = None
         self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
@@ -144,7 +150,7 @@ class DraftPolicy:
         if not self.adaptive or not any(len(d) for d in drafts):
             return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
         rows = len(drafts)
-        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale)
+        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale, packed=self.packed)
         paid = any(sizes)
         self._idle = 0 if paid else self._idle + 1
         self._backoff = 0 if paid else min(MAX_BACKOFF, max(1, 2 * self._backoff))
@@ -180,9 +186,12 @@ def room_left(*, context_length: int, generated: int, max_new_tokens: int, max_p
 
 
 def batch_draft_sizes(
-    drafts: Sequence[Draft], cost: CostModel | StepCost, *, acceptance_scale: float = 1.0
+    drafts: Sequence[Draft], cost: CostModel | StepCost, *, acceptance_scale: float = 1.0, packed: bool = False
 ) -> list[int]:
-    """Return each row's draft size: the common cap that maximises the batch's expected tokens per second."""
+    """Return each row's draft size: the common cap that maximises the batch's expected tokens per second.
+
+    A padded batch of B rows costs `cost(B * (1 + widest draft))`; a packed one `cost(B + sum of the drafts)`.
+    """
     rows = len(drafts)
     if rows == 0:
         return []
@@ -197,8 +206,9 @@ def batch_draft_sizes(
             gains[r, 1 : len(draft) + 1] = gain
             gains[r, len(draft) + 1 :] = gain[-1]
     caps = np.arange(top + 1)
-    widths = 1 + np.minimum(caps.reshape(-1, 1), lengths.reshape(1, -1)).max(axis=1)  # [k+1] slots S per cap
-    rate = (rows + gains.sum(axis=0)) / cost(rows * widths)
+    cut = np.minimum(caps.reshape(-1, 1), lengths.reshape(1, -1))  # [k+1, B] each row's nodes under cap k
+    slots = rows + cut.sum(axis=1) if packed else rows * (1 + cut.max(axis=1))  # [k+1] tokens of the forward
+    rate = (rows + gains.sum(axis=0)) / cost(slots)
     best = int(np.argmax(rate))  # the first maximum: no draft when nothing pays
     return [int(min(best, n)) for n in lengths]
 

@@ -91,7 +91,8 @@ class CrestProposer:
         self.store: Any = None
         self.name = self._open(vllm_config)
         vocab = _vocab_size(vllm_config)
-        self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab)
+        # vLLM packs the rows' tokens into one forward: a step costs the sum of its rows' tokens, not padded rows
+        self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab, packed=True)
         self.learner = self._learner()
         self.max_n = store_max_n(self.store) if self.store is not None else 0
         self._rows: dict[str, _Row] = {}
