@@ -103,6 +103,8 @@ def decode_rows(rows: Sequence[tuple[int, bytes]], info: Any) -> tuple[list[Draf
     if not rows:
         return [], []
     try:
+        if len(rows) < _BATCH_DECODE:
+            raise CodecError("few rows: the one-blob decoder is faster")
         drafts: list[Draft | None] = list(decode_trees([t for _, t in rows], [n for n, _ in rows], table=info.table))
         if all(_in_vocabulary(tree, draft, info) for (_, tree), draft in zip(rows, drafts, strict=True)):
             return drafts, []
@@ -119,6 +121,9 @@ def decode_rows(rows: Sequence[tuple[int, bytes]], info: Any) -> tuple[list[Draf
             drafts.append(None)
             errors.append(str(exc))
     return drafts, errors
+
+
+_BATCH_DECODE = 8  # rows from which one batch decode (`decode_trees`) beats decoding them one by one
 
 
 def _in_vocabulary(tree: bytes, draft: Draft | None, info: Any) -> bool:

@@ -12,9 +12,11 @@ where s is g's longest stored proper suffix (whose row was decided first: length
 occurrences g's own tree was built from (its count, at most max_matches) and u the distinct tokens that follow g in
 that tree. A common n-gram followed by few tokens keeps nearly its own tree; a rare one leans on its suffix's
 richer tree; an n-gram none of whose suffixes is stored keeps its own. The merge is `crest_client.merge`'s (a
-node's weight is each tree's share of continuations through it, weighted), scaled to max_matches, cut to the
-tree size and stored in the stored-tree order. Rows the live tier's incremental refresh copied from its previous
-version were decided there and are kept (a row is copied only when neither it nor any of its suffixes changed).
+node's weight is each tree's share of continuations through it, weighted), scaled to `BACKOFF_SCALE` (a first
+weight under 128 is one header byte and keeps the blob on the SDK's batch decoder's fast path; the estimates need
+no finer grain), cut to the tree size and stored in the stored-tree order. Rows the live tier's incremental
+refresh copied from its previous version were decided there and are kept (a row is copied only when the rows of
+all its suffixes were copied too).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from psycopg import sql
 from crest import db
 from crest.config import IngestOptions
 
+BACKOFF_SCALE = 127  # integer weight of a back-off tree's whole mass: weights 1..127
+
 
 def backoff_share(count: int, followers: int, *, max_matches: int) -> float:
     """Return an n-gram's own tree's share in its back-off tree (Witten-Bell: c / (c + distinct followers))."""
@@ -43,9 +47,7 @@ def backoff_tree(own: Draft, suffix: Draft | None, *, count: int, options: Inges
     if suffix is None or len(suffix) == 0:
         return own
     lam = backoff_share(count, int(np.count_nonzero(own.parents < 0)), max_matches=options.max_matches)
-    merged = merge_drafts(
-        [own, suffix], shares=[lam, 1.0 - lam], tree_size=options.tree_size, scale=options.max_matches
-    )
+    merged = merge_drafts([own, suffix], shares=[lam, 1.0 - lam], tree_size=options.tree_size, scale=BACKOFF_SCALE)
     return Draft(merged.tokens, merged.parents, merged.weights, own.n)
 
 
