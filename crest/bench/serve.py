@@ -76,8 +76,12 @@ def drive(
     store: str | None = None,
     api_key: str = "none",
     model: str = "crest",
+    label: str | None = None,
 ) -> tuple[ServeFigures, list[str | None]]:
-    """Send every prompt as a greedy stream from `concurrency` threads; return the figures and each text."""
+    """Send every prompt as a greedy stream from `concurrency` threads; return the figures and each text.
+
+    `label` names the rows instead of `drafter` (a server that drafts its own way, as vLLM with its proposer).
+    """
     import openai
 
     # one client for every thread: its httpx connection pool is thread-safe
@@ -98,13 +102,20 @@ def drive(
         _stream(client, prompts[0], model=model, chat=chat, max_tokens=4, extra=extra)
     except Exception as exc:
         raise CrestError(f"the server at {url} did not answer a first request: {exc}") from None
+    before = accepted_draft_tokens(url)
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         done = list(pool.map(one, prompts))
     wall = time.perf_counter() - started
-    figures = _figures(
-        [d for d in done if d is not None], mode="server", drafter=drafter, concurrency=concurrency, wall=wall
-    )
+    finished = [d for d in done if d is not None]
+    after = accepted_draft_tokens(url)
+    if before is not None and after is not None and not any(d.forwards for d in finished):
+        # a server that reports no forwards per request (vLLM): each target forward of a request emits one
+        # token beyond the draft tokens it accepted, so its forwards are its tokens less those accepted
+        accepted = (after - before) / max(1, sum(d.tokens for d in finished))
+        for d in finished:
+            d.forwards = max(1, round(d.tokens * (1.0 - accepted)))
+    figures = _figures(finished, mode="server", drafter=label or drafter, concurrency=concurrency, wall=wall)
     figures.requests, figures.errors = len(prompts), len(errors)
     if errors:
         print(f"bench serve: {drafter} at {concurrency}: {len(errors)} error(s), first: {errors[0]}", file=sys.stderr)
@@ -140,6 +151,24 @@ def _stream(client: Any, prompt: str, *, model: str, chat: bool, max_tokens: int
         raise CrestError("the stream ended without a usage chunk")
     forwards = int(((usage.model_extra or {}).get("crest") or {}).get("forward_passes") or 0)
     return _Timed("".join(pieces), int(usage.completion_tokens), forwards, started, chunks)
+
+
+def accepted_draft_tokens(url: str) -> float | None:
+    """Return the draft tokens a vLLM server accepted so far (its /metrics counter), or None when it has none."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    ]
+    if values:
+        return sum(values)
+    return 0.0 if "vllm:" in text else None  # a vLLM without speculation: nothing accepted, one token a forward
 
 
 def _pcts(values: Sequence[float], *, scale: float = 1e3) -> tuple[float, float]:
@@ -329,6 +358,7 @@ def run_serve_bench(
     device: str = "cpu",
     dtype: str = "float32",
     dsn: str | None = None,
+    label: str | None = None,
     note: Callable[[str], None] = lambda _: None,
 ) -> ServeRun:
     """Run the batch-1 baseline (before any server is started), then every drafter and level against the server."""
@@ -354,7 +384,7 @@ def run_serve_bench(
             note=note,
         )
     options: dict[str, Any] = dict(
-        max_tokens=max_tokens, chat=chat, store=store, api_key=api_key or "none", model=model
+        max_tokens=max_tokens, chat=chat, store=store, api_key=api_key or "none", model=model, label=label
     )
     exit_code = None
     if url is not None:

@@ -227,8 +227,12 @@ def bench_serve_cmd(
     as_json: Json = False,
     out: Out = None,
     dsn: Dsn = None,
+    label: Annotated[
+        str | None,
+        typer.Option(help="Name the rows (one drafter, with --url): a server that drafts its own way, as vLLM."),
+    ] = None,
 ) -> None:
-    """Drive a crest server with the openai client from many threads: tokens/s, TTFT, ITL, M per drafter."""
+    """Drive a crest server (or any OpenAI server, as vLLM) from many threads: tokens/s, TTFT, ITL, M."""
     from crest.bench.prompts import load_prompts
     from crest.bench.serve import check_levels, run_serve_bench
     from crest.bench.serve_report import append_targets, targets, write_plot
@@ -240,6 +244,8 @@ def bench_serve_cmd(
     names = [check_drafter(d, where="serve", store=store) for d in drafters.split(",") if d.strip()]
     if not names:
         raise ConfigError(f"--drafters takes drafter names (`crest drafters` lists them); got {drafters!r}")
+    if label is not None and (url is None or len(names) != 1 or not label.strip()):
+        raise ConfigError("--label names the rows of one drafter against a server given by --url")
     if max_tokens < 1 or (limit is not None and limit < 1) or (max_batch is not None and max_batch < 1):
         raise ConfigError("--max-tokens, --limit and --max-batch must be positive")
     texts = load_prompts(prompts, limit=limit)
@@ -261,6 +267,7 @@ def bench_serve_cmd(
         device=device,
         dtype=dtype,
         dsn=dsn,
+        label=label,
         note=lambda line: typer.echo(line, err=True),
     )
     found = targets(results.rows)

@@ -170,9 +170,11 @@ def lookup(
     as_json: Json = False,
     dsn: Dsn = None,
 ) -> None:
-    """Show the draft tree stored for a suffix of TEXT: the suffix the rule picks, then its tree (weights: counts).
+    """Show the draft tree stored for a suffix of TEXT: the suffix the rule picks, where its tree came from, the tree.
 
     The SDK drafts the same way (`Store.connect(rule=...)`); --rule longest shows the longest stored suffix's tree.
+    A store built with --suffix-rule backoff decided each row's tree at ingest (its own merged with its suffixes'):
+    the longest stored suffix matches whatever the rule, and the line `tree:` names the suffixes it backed off to.
     """
     from crest_client.choice import resolve_rule
 
