@@ -2,10 +2,10 @@
 because something it needs is missing, unless `CREST_TESTS_REQUIRE` names that capability, when it fails instead.
 
 `CREST_TESTS_REQUIRE` is a comma list of the capabilities in `CAPABILITIES` (spark: pyspark and a Java runtime;
-replica: `pg_basebackup` beside the embedded PostgreSQL; psql: the `psql` client; vllm: the vLLM engine and a
-GPU). A developer's laptop leaves it unset and sees the skips, with their reasons, in `-ra`'s summary; `.ci/run`
-sets it, so a CI machine that lost Java fails loudly instead of passing with Spark untested. Loaded as a plugin
-(`-p tests.fix_require`) so that a misspelt capability stops the run before any test.
+replica: `pg_basebackup` beside the embedded PostgreSQL; psql: the `psql` client; vllm: a Python with vLLM's
+engine, `CREST_VLLM_PYTHON`). A developer's laptop leaves it unset and sees the skips, with their reasons, in
+`-ra`'s summary; `.ci/run` sets it, so a CI machine that lost Java fails loudly instead of passing with Spark
+untested. Loaded as a plugin (`-p tests.fix_require`) so that a misspelt capability stops the run before any test.
 """
 
 from __future__ import annotations

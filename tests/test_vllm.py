@@ -28,6 +28,7 @@ from crest.ingest.pipeline import ingest
 from crest.integrations.chain import best_chain
 from crest.integrations.vllm import CrestProposer
 from tests.fix_proxy import Proxy
+from tests.fix_require import require
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -361,7 +362,7 @@ def served(pg_server: str, tmp_path_factory: pytest.TempPathFactory, smollm2_ggu
 
     python = _vllm_python()
     if python is None:
-        pytest.skip("no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
+        require("vllm", "no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
     root = tmp_path_factory.mktemp("vllm")
     model = export_hf("smollm2", root / "smollm2")
     plain = VllmServer(python, model, root / "plain.log", spec=None, env={})
