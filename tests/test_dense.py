@@ -280,3 +280,17 @@ def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
         assert clean_leftovers(conn) == [killed]
         assert conn.execute("SELECT to_regclass(%s)", (f"crest_dense_s{killed}",)).fetchone() == (None,)
         assert conn.execute("SELECT count(*) FROM crest_dense").fetchone() == (1,)
+
+
+def test_replay_comparison_measures_every_drafter_and_the_batched_lookup(
+    db_dsn: str, dense_store: Any, tiny_dir: Path, tmp_path: Path
+) -> None:
+    from crest.bench.dense import compare
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS[:3]])
+    figures = compare(
+        str(tiny_dir), store="words", dsn=db_dsn, prompts=str(prompts), limit=3, max_new_tokens=20, batch=4
+    )
+    assert set(figures["M"]) == {"crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt"}
+    assert figures["M"]["dense"] > 2.0  # the store holds these very continuations
+    assert figures["lookup_ms"]["batch"] == 4 and 0 < figures["lookup_ms"]["p50"] <= figures["lookup_ms"]["p95"]
