@@ -294,3 +294,13 @@ def test_replay_comparison_measures_every_drafter_and_the_batched_lookup(
     assert set(figures["M"]) == {"crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt"}
     assert figures["M"]["dense"] > 2.0  # the store holds these very continuations
     assert figures["lookup_ms"]["batch"] == 4 and 0 < figures["lookup_ms"]["p50"] <= figures["lookup_ms"]["p95"]
+
+
+def test_sql_dense_reports_the_dense_part_size(db_dsn: str, dense_store: Any) -> None:
+    sql_file = Path(__file__).resolve().parent.parent / "sql" / "dense.sql"
+    with psycopg.connect(db_dsn) as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        conn.execute(f"ANALYZE crest_dense_s{dense_store.store_id}")
+        rows = cur.execute(sql_file.read_text()).fetchall()
+    assert len(rows) == 1 and rows[0]["version"] == dense_store.store_id and rows[0]["dims"] == 16
+    assert rows[0]["rows_estimate"] == dense_store.tokens - 2 * dense_store.documents
+    assert rows[0]["table_bytes"] > 0 and rows[0]["index_bytes"] > 0 and rows[0]["bytes_per_row"] > 16 * 4

@@ -25,8 +25,9 @@ def test_every_sql_file_is_tested() -> None:
     assert sorted(p.name for p in SQL.glob("*.sql")) == sorted(FILES)
 
 
-# roles.sql: test_roles.py; learned.sql: test_learning.py
+# roles.sql: test_roles.py; learned.sql: test_learning.py; dense.sql: test_dense.py
 FILES = [
+    "dense.sql",
     "coverage.sql",
     "tree_sizes.sql",
     "top_ngrams.sql",

@@ -1,0 +1,20 @@
+-- The dense part of every store version that has one (crest ingest --dense-model): the model it was built with,
+-- vector dimensions and continuation length, rows, the pgvector table's and HNSW index's bytes, bytes per row.
+-- Usage: psql "$CREST_DATABASE_URL" -f sql/dense.sql
+SELECT s.name AS store,
+       s.id AS version,
+       s.tier,
+       s.state,
+       d.model,
+       d.model_fingerprint,
+       d.dims,
+       d.continuation,
+       c.reltuples::bigint AS rows_estimate,
+       pg_table_size(c.oid) AS table_bytes,
+       pg_indexes_size(c.oid) AS index_bytes,
+       pg_size_pretty(pg_total_relation_size(c.oid)) AS total,
+       round(pg_total_relation_size(c.oid)::numeric / nullif((d.figures ->> 'rows')::bigint, 0), 1) AS bytes_per_row
+FROM crest_dense AS d
+JOIN crest_stores AS s ON s.id = d.store_id
+JOIN pg_class AS c ON c.oid = to_regclass('crest_dense_s' || d.store_id)
+ORDER BY s.name, s.tier DESC, s.id;
