@@ -304,3 +304,16 @@ def test_sql_dense_reports_the_dense_part_size(db_dsn: str, dense_store: Any) ->
     assert len(rows) == 1 and rows[0]["version"] == dense_store.store_id and rows[0]["dims"] == 16
     assert rows[0]["rows_estimate"] == dense_store.tokens - 2 * dense_store.documents
     assert rows[0]["table_bytes"] > 0 and rows[0]["index_bytes"] > 0 and rows[0]["bytes_per_row"] > 16 * 4
+
+
+def test_cli_generates_with_the_dense_drafter_and_refuses_another_model(
+    db_dsn: str, dense_store: Any, tiny_dir: Path, tmp_path: Path
+) -> None:
+    from tests.fix_cli import one_error_line, run_cli
+
+    args = ["generate", "w1 w2 w3 w4", "--store", "words", "--drafter", "crest+dense+prompt", "--max-new-tokens", "8"]
+    done = run_cli(*args, "--model", str(tiny_dir), "--max-draft-tokens", "16", dsn=db_dsn, home=tmp_path)
+    assert done.returncode == 0, done.stderr
+    other = _save_tiny(tmp_path / "other", seed=4)
+    refused = run_cli(*args, "--model", str(other), dsn=db_dsn, home=tmp_path)
+    assert refused.returncode == 2 and "dense part was built with model" in one_error_line(refused.stderr)
