@@ -15,6 +15,7 @@ return None: generation goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -239,13 +240,13 @@ class Store:
         self.stats["queries"] += 1
         every = any(self._every(info) for info in infos)
         single = len(infos) == 1 and len(set(params[0])) == 1  # a batch of one: the probe statement
-        name, query = lookup_sql(tuple(info.id for info in infos), len(params[1]) if single else None, every=every)
+        name, query = _statement(tuple(info.id for info in infos), len(params[1]) if single else None, every)
         if single:
             types, values = [_BYTEA] * len(params[1]), params[1]
         else:
             types = [INT4_ARRAY, BYTEA_ARRAY] * len(infos)
             values = [int4_array(p) if j % 2 == 0 else bytea_array(p) for j, p in enumerate(params)]
-        res = self._conns.run_prepared(name.encode(), numbered(query).encode(), types, values)
+        res = self._conns.run_prepared(name, query, types, values)
         get = res.get_value
         rows: list[Row] = [
             (_int(get(r, 0)), _int(get(r, 1)), _int(get(r, 2)), _int(get(r, 3)), get(r, 4)) for r in range(res.ntuples)
@@ -388,6 +389,13 @@ class Store:
 
 
 _BYTEA = 17  # type oid
+
+
+@functools.lru_cache(maxsize=256)
+def _statement(ids: tuple[int, ...], probes: int | None, every: bool) -> tuple[bytes, bytes]:
+    """Return the prepared statement's (name, libpq SQL) for a lookup shape (`crest_client.lookup.lookup_sql`)."""
+    name, query = lookup_sql(ids, probes, every=every)
+    return name.encode(), numbered(query).encode()
 
 
 def _int(value: bytes) -> int:
