@@ -94,3 +94,15 @@ def test_lookup_says_where_the_matched_rows_tree_came_from(
     assert code == 0 and "tree: its own occurrences (the longest rule chose this suffix at lookup)" in " ".join(
         out.split()
     )
+
+
+def test_spark_refuses_the_backoff_rule_before_any_work() -> None:
+    from crest.errors import ConfigError
+    from crest.ingest.publishing import check_ingest
+
+    options = IngestOptions(top_t=10, suffix_rule="backoff")
+    with pytest.raises(ConfigError, match="--engine spark stores each n-gram's own tree only"):
+        check_ingest(options, store="s", engine="spark")
+    assert check_ingest(options, store="s").suffix_rule == "backoff"
+    with pytest.raises(ConfigError, match="unknown --suffix-rule 'merged'"):
+        check_ingest(IngestOptions(top_t=10, suffix_rule="merged"), store="s")

@@ -105,6 +105,11 @@ def check_ingest(
             f"--engine {engine} keeps n-grams by {' or '.join(ENGINE_KEEP_RULES[engine])} only, not by "
             f"{options.keep!r}: use --keep count or --engine inprocess"
         )
+    if engine == "spark" and options.suffix_rule != "lookup":  # crest.ingest.suffixes runs in process only
+        raise ConfigError(
+            f"--engine spark stores each n-gram's own tree only, not --suffix-rule {options.suffix_rule}: "
+            "use --suffix-rule lookup or --engine inprocess"
+        )
     if chunk_tokens < 1:
         raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")
     if partitions is not None and partitions < 1:
