@@ -61,7 +61,10 @@ def compare(
 
     loaded = load_model(model_spec)
     fingerprint = load_tokenizer(model_spec).fingerprint
-    opened = {name: open_drafter(name, store=store, dsn=dsn, fingerprint=fingerprint) for name in drafters}
+    opened = {  # a patient connect: a database slow to answer at the start would cost the first drafts
+        name: open_drafter(name, store=store, dsn=dsn, fingerprint=fingerprint, connect_timeout=10.0)
+        for name in drafters
+    }
     for drafter in opened.values():
         if wants_hidden(drafter):
             drafter.bind_model(loaded.model)  # type: ignore[attr-defined]
