@@ -63,7 +63,7 @@ def lookup_text(
         if tok.fingerprint != handle.info.fingerprint:
             raise FingerprintMismatch(f"store {store!r} was built with another tokenizer than {tok.spec!r}")
         ids = tok.encode(text)
-        draft = handle.draft(ids, max_nodes=max_nodes)
+        draft = handle.draft(ids, max_nodes=max_nodes, tier="static")  # the published version's own row
         used = handle.rule
         source = tree_source(dsn, handle, ids[len(ids) - draft.n :] if draft is not None and draft.n else [], used)
     tokens = draft.tokens.tolist() if draft is not None else []
