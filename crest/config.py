@@ -162,7 +162,6 @@ class VllmSettings:
     learn: bool = True  # CREST_LEARN: write finished requests to the store's learned log
     dsn: str | None = None  # CREST_DATABASE_URL: the writers' database (None: the SDK's default, under CREST_HOME)
     read_dsn: str | None = None  # CREST_READ_DATABASE_URL: where lookups read (None: the writers')
-    fill: bool = False  # CREST_VLLM_FILL: hand every row K tokens, the chain then its last token repeated
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -189,7 +188,6 @@ def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
         learn=parse_flag(learn, name="CREST_LEARN") if learn else VllmSettings.learn,
         dsn=env.get(ENV_DSN, "").strip() or None,
         read_dsn=env.get("CREST_READ_DATABASE_URL", "").strip() or None,
-        fill=parse_flag(env["CREST_VLLM_FILL"], name="CREST_VLLM_FILL") if env.get("CREST_VLLM_FILL") else False,
     )
 
 

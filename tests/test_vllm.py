@@ -181,23 +181,6 @@ def test_proposer_chains_stay_within_k_and_the_room_left(words_store: str, word_
     assert proposer.learner is None
 
 
-@pytest.mark.parametrize("fill", [True, False], ids=["fill", "no-fill"])
-def test_fill_hands_every_row_its_whole_room(word_tokenizer_dir: Path, fill: bool) -> None:
-    """CREST_VLLM_FILL: every decoding row gets its whole room (K, less near the end), drafted or not."""
-    settings = VllmSettings(drafter="prompt", learn=False, fill=fill)
-    proposer = CrestProposer(_config(word_tokenizer_dir, k=3, max_len=64), settings=settings)
-    runner = Runner(proposer)
-    _, prompt, output = _requests(word_tokenizer_dir)[0]
-    runner.add("a", prompt, output)
-    runner.run()
-    end = len(prompt) + len(output)
-    whole = [n == min(3, end - length - 1) for length, n in runner.seen if length < end]
-    assert whole and all(whole) == fill  # without fill, steps with nothing to draft hand vLLM nothing
-    assert vllm_settings({"CREST_VLLM_FILL": "1"}).fill and not vllm_settings({}).fill
-    with pytest.raises(ConfigError, match="CREST_VLLM_FILL"):
-        vllm_settings({"CREST_VLLM_FILL": "maybe"})
-
-
 def test_proposer_serves_on_while_the_database_is_down(
     words_store: str, word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

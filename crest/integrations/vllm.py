@@ -182,9 +182,6 @@ class CrestProposer:
             for (i, row, _), chain in zip(live, cut, strict=True):
                 row.chain, row.chain_at = chain, len(row.tokens)
                 drafts[i] = [int(t) for t in chain.tokens]
-        if self.settings.fill:  # a step of K+1 tokens per row costs vLLM's CPU build no more than one of 1
-            for i, row, room in live:
-                drafts[i] += [drafts[i][-1] if drafts[i] else row.tokens[-1]] * (room - len(drafts[i]))
         self._last_end = time.perf_counter()
         return drafts
 
