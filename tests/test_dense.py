@@ -242,6 +242,7 @@ def _wait_unlocked(dsn: str, timeout: float = 30.0) -> None:
     pytest.fail("the killed ingest's session still holds its lock")
 
 
+@pytest.mark.slow  # a `crest` subprocess that loads torch and the model, 10-60 s
 def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
     db_dsn: str, dense_store: Any, corpus: Path, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -306,6 +307,7 @@ def test_sql_dense_reports_the_dense_part_size(db_dsn: str, dense_store: Any) ->
     assert rows[0]["table_bytes"] > 0 and rows[0]["index_bytes"] > 0 and rows[0]["bytes_per_row"] > 16 * 4
 
 
+@pytest.mark.slow  # a `crest` subprocess that loads torch and the model, 10-60 s
 def test_cli_generates_with_the_dense_drafter_and_refuses_another_model(
     db_dsn: str, dense_store: Any, tiny_dir: Path, tmp_path: Path
 ) -> None:
