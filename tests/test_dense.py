@@ -319,3 +319,29 @@ def test_cli_generates_with_the_dense_drafter_and_refuses_another_model(
     other = _save_tiny(tmp_path / "other", seed=4)
     refused = run_cli(*args, "--model", str(other), dsn=db_dsn, home=tmp_path)
     assert refused.returncode == 2 and "dense part was built with model" in one_error_line(refused.stderr)
+
+
+def test_migration_0006_goes_down_with_the_dense_tables_and_up_again(db_dsn: str, dense_store: Any) -> None:
+    from importlib import resources
+
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    from crest.db.versions import MIGRATIONS, upgrade
+
+    engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(db_dsn), poolclass=NullPool)
+    config = Config()
+    config.set_main_option("script_location", str(resources.files(MIGRATIONS)))
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0005")
+    finally:
+        engine.dispose()
+    table = f"crest_dense_s{dense_store.store_id}"
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass(%s), to_regclass('crest_dense')", (table,)).fetchone() == (None, None)
+        assert upgrade(db_dsn) == "0006"
+        assert conn.execute("SELECT to_regclass('crest_dense') IS NOT NULL").fetchone() == (True,)
