@@ -308,7 +308,8 @@ def test_db_queries_run_every_shipped_query(
     publish(db_dsn, "demo", ROWS)
     code, listed, _ = run(monkeypatch, capsys, "db", "queries")
     names = [line.split()[0] for line in listed.splitlines() if "psql only" not in line]
-    shipped = ["coverage", "disk_use", "learned", "live_acceptance", "part_acceptance", "top_ngrams", "tree_sizes"]
+    shipped = ["coverage", "dense", "disk_use", "learned", "live_acceptance", "part_acceptance", "top_ngrams"]
+    shipped += ["tree_sizes"]
     assert code == 0 and names == shipped, listed
     assert run(monkeypatch, capsys, "db", "query", "--list")[1] == listed
     for query in list_queries():
@@ -317,7 +318,7 @@ def test_db_queries_run_every_shipped_query(
             assert code == EXIT_USAGE and "psql" in one_error_line(err)
             continue
         rows = [json.loads(line) for line in out.splitlines()]
-        if query.name in ("live_acceptance", "part_acceptance"):  # only requests served with figures count: none
+        if query.name in ("dense", "live_acceptance", "part_acceptance"):  # none: no dense part, no served figures
             assert (code, rows) == (0, []), (out, err)
             continue
         assert code == 0 and rows and all(row["store"] == "demo" for row in rows), (query.name, out, err)
