@@ -128,3 +128,32 @@ def test_drive_a_running_server_by_url(tiny_served: Any, smollm2_tokenizer: Any)
     assert none.requests == prompt.requests == 4 and none.errors == prompt.errors == 0
     assert none.output_tokens == prompt.output_tokens and prompt.same_text_as_none == 4
     assert none.mean_accepted_length == 1.0 and prompt.speedup_vs_none is not None
+
+
+def test_a_run_against_another_server_counts_its_texts_against_a_saved_reference(
+    tiny_served: Any, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    from tests.fix_serving import start
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2), encoding="utf-8")
+    running = start(tiny_served, smollm2_tokenizer, None, max_batch=4)
+    try:
+        common = ["bench", "serve", "--url", running.url, "--prompts", str(prompts), "--concurrency", "1,2"]
+        common += ["--max-tokens", "8", "--no-baseline", "--json"]
+        ref = CliRunner().invoke(app, [*common, "--drafters", "none", "--label", "plain", "--out", str(tmp_path / "a")])
+        assert ref.exit_code == 0, ref.output
+        saved = json.loads((tmp_path / "a" / "texts.json").read_text())
+        assert [(t["drafter"], t["concurrency"], len(t["texts"])) for t in saved] == [("plain", 1, 4), ("plain", 2, 4)]
+        args = [*common, "--drafters", "prompt", "--label", "lookup", "--reference", str(tmp_path / "a")]
+        done = CliRunner().invoke(app, args)
+        assert done.exit_code == 0, done.output
+        rows = json.loads(done.stdout)["rows"]
+        assert [(r["drafter"], r["same_text_as_none"]) for r in rows] == [("lookup", 4), ("lookup", 4)]
+        assert all(r["speedup_vs_none"] > 0 for r in rows)
+        wrong = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "missing")])
+        assert isinstance(wrong.exception, ConfigError) and "not a `crest bench serve --out` folder" in str(
+            wrong.exception
+        )
+    finally:
+        running.stop()

@@ -154,7 +154,7 @@ def _stream(client: Any, prompt: str, *, model: str, chat: bool, max_tokens: int
 
 
 def accepted_draft_tokens(url: str) -> float | None:
-    """Return the draft tokens a vLLM server accepted so far (its /metrics counter), or None when it has none."""
+    """Return the draft tokens a vLLM or llama.cpp server accepted so far (its /metrics counter), or None."""
     import httpx
 
     try:
@@ -164,7 +164,9 @@ def accepted_draft_tokens(url: str) -> float | None:
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+        if line.startswith(
+            ("vllm:spec_decode_num_accepted_tokens_total", "llamacpp:spec_decode_num_accepted_tokens_total")
+        )
     ]
     if values:
         return sum(values)
@@ -329,16 +331,17 @@ def run_levels(
                 f"M = {figures.mean_accepted_length:.2f}, {figures.errors} error(s)"
             )
             rows.append(figures)
-            texts["server", name, level] = done
+            texts["server", figures.drafter, level] = done  # keyed as the row is named (--label)
     return rows, texts
 
 
 @dataclass
 class ServeRun:
-    """A whole `crest bench serve` run: its rows and the started server's exit code (None: given a URL)."""
+    """A whole `crest bench serve` run: its rows, each row's texts and the started server's exit code."""
 
     rows: list[ServeFigures]
-    server_exit_code: int | None
+    server_exit_code: int | None  # None: given a URL
+    texts: dict[tuple[str, str, int], list[str | None]]  # (mode, drafter, concurrency) -> one text per prompt
 
 
 def run_serve_bench(
@@ -403,7 +406,7 @@ def run_serve_bench(
     rows += found
     texts |= done
     compare_to_none(rows, texts)
-    return ServeRun(rows, exit_code)
+    return ServeRun(rows, exit_code, texts)
 
 
 def _baseline(
@@ -426,7 +429,7 @@ def _baseline(
 
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
-    from crest.drafters.registry import open_drafter
+    from crest.drafters.registry import close_drafter, open_drafter
     from crest.ingest.tokenizer import Tokenizer
 
     loaded = load_model(model, device=device, dtype=dtype)
@@ -449,9 +452,7 @@ def _baseline(
         rows.append(row)
         texts["batch-1", row.drafter, 1] = done
     for source in sources.values():
-        close = getattr(source, "close", None)
-        if callable(close):
-            close()
+        close_drafter(source)
     del loaded
     gc.collect()
     return rows

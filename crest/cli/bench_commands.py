@@ -231,11 +231,19 @@ def bench_serve_cmd(
         str | None,
         typer.Option(help="Name the rows (one drafter, with --url): a server that drafts its own way, as vLLM."),
     ] = None,
+    reference: Annotated[
+        Path | None,
+        typer.Option(
+            help="An earlier run's --out folder (one drafter, e.g. vLLM without speculation): speedups and equal "
+            "texts are counted against its rows at the same concurrency."
+        ),
+    ] = None,
 ) -> None:
     """Drive a crest server (or any OpenAI server, as vLLM) from many threads: tokens/s, TTFT, ITL, M."""
     from crest.bench.prompts import load_prompts
     from crest.bench.serve import check_levels, run_serve_bench
     from crest.bench.serve_report import append_targets, targets, write_plot
+    from crest.bench.serve_texts import compare_to_reference, load_reference, save_texts
     from crest.drafters.registry import check_drafter
     from crest.errors import ConfigError
 
@@ -251,6 +259,7 @@ def bench_serve_cmd(
     texts = load_prompts(prompts, limit=limit)
     if not texts:
         raise ConfigError(f"no prompts in {prompts!r}")
+    compared = load_reference(reference) if reference is not None else None
     results = run_serve_bench(
         texts,
         url=url,
@@ -270,6 +279,8 @@ def bench_serve_cmd(
         label=label,
         note=lambda line: typer.echo(line, err=True),
     )
+    if compared is not None:
+        compare_to_reference(results.rows, results.texts, compared)
     found = targets(results.rows)
     rows = [r.__dict__ for r in results.rows]
     title = f"crest serve on {prompts} ({model}, {max_tokens} greedy tokens, {len(texts)} requests per level)"
@@ -279,6 +290,7 @@ def bench_serve_cmd(
     for target in found:
         typer.echo(f"target {target['target']}: {target['value']} ({'met' if target['met'] else 'missed'})", err=True)
     if out is not None:
+        typer.echo(f"wrote {save_texts(out, results.texts)}", err=True)
         append_targets(found, out / "serve.md")
         plot = write_plot(results.rows, out / "serve.png")
         if plot is not None:
