@@ -48,8 +48,9 @@ LOOKUP_NODES = 32  # tree nodes looked up and merged per row: the chain is chose
 
 # vLLM's step cost before any step is seen (seconds for k scheduled tokens): nearly flat, since a vLLM step's fixed
 # cost (scheduling, sampling, the engine's round trip) dwarfs a few more tokens on a small model. Measured on the
-# 2-core CPU, SmolLM2-135M: a 1-token step and a 5-token step both took about 125 ms. The steps it observes
-# (`DraftPolicy.observe_cost`) correct it per power-of-two token count.
+# 2-core CPU, SmolLM2-135M, idle: a 1-token step took about 25 ms and a 5-token step 29 ms (both about 125 ms at
+# load 8). Only its shape matters before the steps it observes (`DraftPolicy.observe_cost`) replace it per
+# power-of-two token count.
 PRIOR_COST = CostModel([1, 8, 64, 512], [0.100, 0.105, 0.150, 0.500])
 
 MAX_GAP = 5.0  # seconds between steps beyond which the gap was idleness, not a step's cost
