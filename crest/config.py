@@ -11,8 +11,9 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from crest_client.names import ENV_DSN, NAME_RE, check_store_name, resolve_dsn
 
@@ -67,6 +68,10 @@ KEEP_RULES = ("count", "savings", "marginal")  # which n-grams of a length are k
 SUFFIX_RULES = ("lookup", "backoff")
 DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
 DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (the most recent ones)
+
+DEFAULT_REFRESH_INTERVAL = 10.0  # seconds between refreshes of the live tiers (crest serve, the vLLM proposer)
+
+DEFAULT_REFRESH_MIN_TOKENS = 2048  # learned tokens a refresh waits for before it rebuilds a live tier
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,13 @@ class VllmSettings:
     learn: bool = True  # CREST_LEARN: write finished requests to the store's learned log
     dsn: str | None = None  # CREST_DATABASE_URL: the writers' database (None: the SDK's default, under CREST_HOME)
     read_dsn: str | None = None  # CREST_READ_DATABASE_URL: where lookups read (None: the writers')
+    refresh_interval: float = (
+        DEFAULT_REFRESH_INTERVAL  # CREST_REFRESH_INTERVAL: seconds between live refreshes (0: never)
+    )
+    refresh_min_tokens: int = (
+        DEFAULT_REFRESH_MIN_TOKENS  # CREST_REFRESH_MIN_TOKENS: new learned tokens a refresh waits for
+    )
+    learn_window: int = DEFAULT_LEARN_WINDOW  # CREST_LEARN_WINDOW: a refresh builds from the last W learned tokens
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -182,13 +194,33 @@ def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
     if store is not None:
         check_store_name(store)
     learn = env.get("CREST_LEARN", "").strip()
+    interval = _number(env, "CREST_REFRESH_INTERVAL", float, VllmSettings.refresh_interval, least=0)
+    min_tokens = _number(env, "CREST_REFRESH_MIN_TOKENS", int, VllmSettings.refresh_min_tokens, least=0)
+    window = _number(env, "CREST_LEARN_WINDOW", int, VllmSettings.learn_window, least=1)
     return VllmSettings(
         store=store,
         drafter=env.get("CREST_DRAFTER", "").strip().lower() or VllmSettings.drafter,
         learn=parse_flag(learn, name="CREST_LEARN") if learn else VllmSettings.learn,
         dsn=env.get(ENV_DSN, "").strip() or None,
         read_dsn=env.get("CREST_READ_DATABASE_URL", "").strip() or None,
+        refresh_interval=interval,
+        refresh_min_tokens=min_tokens,
+        learn_window=window,
     )
+
+
+def _number(env: Mapping[str, str], name: str, kind: Callable[[str], Any], default: Any, *, least: float) -> Any:
+    """Return the number `env[name]` holds (`default` when unset); ConfigError names the variable otherwise."""
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or value != value or value < least:  # value != value: NaN
+        raise ConfigError(f"{name} must be a number >= {least:g}, got {text!r}")
+    return value
 
 
 def fault_pause(stage: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -238,6 +239,47 @@ def test_proposer_settings(words_store: str, word_tokenizer_dir: Path, caplog: p
     assert vllm_settings({}) == VllmSettings()
     with pytest.raises(ConfigError, match="CREST_LEARN"):
         vllm_settings({"CREST_LEARN": "maybe"})
+    env = {"CREST_REFRESH_INTERVAL": "2.5", "CREST_REFRESH_MIN_TOKENS": "0", "CREST_LEARN_WINDOW": "1000"}
+    assert vllm_settings(env) == VllmSettings(refresh_interval=2.5, refresh_min_tokens=0, learn_window=1000)
+    for name, bad in [("CREST_REFRESH_INTERVAL", "soon"), ("CREST_REFRESH_INTERVAL", "-1"),
+                      ("CREST_REFRESH_INTERVAL", "nan"), ("CREST_REFRESH_MIN_TOKENS", "1.5"),
+                      ("CREST_LEARN_WINDOW", "0")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=name):
+            vllm_settings({name: bad})
+
+
+def test_a_second_replica_drafts_what_the_first_served_once_its_refresher_ran(
+    words_store: str, word_tokenizer_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    ids = _ids(AutoTokenizer.from_pretrained(str(word_tokenizer_dir)), TEXT)[::-1]  # an order the corpus never had
+    prompt, output = ids[:3], ids[3:18]
+
+    def serve(settings: VllmSettings, *names: str) -> tuple[CrestProposer, Runner]:
+        proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+        runner = Runner(proposer)
+        for name in names:
+            runner.add(name, prompt, output)
+        runner.run()
+        return proposer, runner
+
+    common: dict[str, Any] = dict(store="words", drafter="crest", dsn=words_store, read_dsn=words_store)
+    alone, before = serve(VllmSettings(**common, learn=False, refresh_interval=0), "x")
+    assert alone.refresher is None
+    alone.close()
+    first, _ = serve(VllmSettings(**common, refresh_interval=0.1, refresh_min_tokens=0), "a", "b")  # min count 2
+    assert first.learner is not None and first.learner.flush(timeout=30) and first.refresher is not None
+    rounds = sum(first.refresher.counts.values())
+    deadline = time.monotonic() + 120
+    while sum(first.refresher.counts.values()) < rounds + 2:  # a whole refresh begun after both rows were written
+        assert time.monotonic() < deadline, first.refresher.counts
+        time.sleep(0.05)
+    assert first.refresher.counts["published"] >= 1 and first.refresher.counts["failed"] == 0
+    first.close()
+    second, after = serve(VllmSettings(**common, learn=False, refresh_interval=0), "c")
+    second.close()
+    assert after.accepted > before.accepted and after.steps < before.steps, (before.accepted, after.accepted)
 
 
 # --- a real vLLM (slow): SmolLM2 exported by crest, served without speculation, then with crest's proposer ---

@@ -40,6 +40,7 @@ from crest.drafters.registry import check_drafter, kind_of, make_drafter
 from crest.drafters.store import open_store
 from crest.errors import ConfigError
 from crest.integrations.chain import best_chain
+from crest.learning.refresher import Refresher
 from crest.learning.requests import served_tokens, store_max_n, tally_parts
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,14 @@ class CrestProposer:
         # vLLM packs the rows' tokens into one forward: a step costs the sum of its rows' tokens, not padded rows
         self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab, packed=True)
         self.learner = self._learner()
+        self.refresher = self._refresher()
         self.max_n = store_max_n(self.store) if self.store is not None else 0
         self._rows: dict[str, _Row] = {}
         self._last_end: float | None = None
         self._failures = 0
-        log.info("crest proposer: drafter %s, store %s, K=%d, learning %s", self.name, self.settings.store,
-                 self.k, "on" if self.learner is not None else "off")  # fmt: skip
+        refresh = f"every {self.settings.refresh_interval:g} s" if self.refresher is not None else "elsewhere"
+        log.info("crest proposer: drafter %s, store %s, K=%d, learning %s, live tier refreshed %s", self.name,
+                 self.settings.store, self.k, "on" if self.learner is not None else "off", refresh)  # fmt: skip
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Load nothing: crest drafts from its store (vLLM's CPU runner calls this with the target model)."""
@@ -133,6 +136,8 @@ class CrestProposer:
             self._drop(key)
         if self.learner is not None:
             self.learner.close()
+        if self.refresher is not None:
+            self.refresher.stop()
         if self.store is not None and hasattr(self.store, "close"):
             self.store.close()
 
@@ -279,6 +284,21 @@ class CrestProposer:
             return None
         source = f"vllm@{socket.gethostname()}:{os.getpid()}"
         return Learner(self.settings.dsn, self.settings.store, source=source)
+
+    def _refresher(self) -> Refresher | None:
+        """Start rebuilding the live tier every CREST_REFRESH_INTERVAL seconds from what every replica learned."""
+        name, every = self.settings.store, self.settings.refresh_interval
+        if self.store is None or name is None or every <= 0:
+            return None
+        refresher = Refresher(
+            self.settings.dsn,
+            lambda: [name],
+            interval=every,
+            window=self.settings.learn_window,
+            min_new_tokens=self.settings.refresh_min_tokens,
+        )
+        refresher.start()
+        return refresher
 
 
 def _stop_at(output: list[int], params: Any) -> int | None:

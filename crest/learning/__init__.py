@@ -3,6 +3,7 @@
 from crest.learning.forget import ForgetResult, forget
 from crest.learning.journal import Window, append_learned, read_window
 from crest.learning.live import RefreshResult, refresh_live
+from crest.learning.refresher import Refresher
 from crest.learning.requests import record_outcome, request_stats, served_tokens, store_max_n, tally_parts
 from crest.learning.transcripts import Transcripts, learn_files, read_transcripts
 
@@ -18,6 +19,7 @@ __all__ = [
     "read_window",
     "record_outcome",
     "refresh_live",
+    "Refresher",
     "request_stats",
     "served_tokens",
     "store_max_n",

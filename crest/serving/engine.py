@@ -26,8 +26,9 @@ from crest.drafters.prompt import PromptDrafter
 from crest.drafters.registry import check_drafter, kind_of, make_drafter, names
 from crest.drafters.store import RETRY_INTERVAL, open_store
 from crest.errors import ConfigError, ModelError
+from crest.learning.refresher import Refresher
 from crest.learning.requests import record_outcome, store_max_n
-from crest.serving.learning import LearnOptions, Refresher, server_source
+from crest.serving.learning import LearnOptions, server_source
 from crest.serving.scheduler import Outcome, Request, Scheduler
 
 log = logging.getLogger(__name__)
