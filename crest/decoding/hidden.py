@@ -4,7 +4,8 @@ A drafter that wants hidden states (the dense drafter) has `observe_hidden(conte
 generator then taps the model once (`hidden_tap`: a forward pre-hook on the output embeddings that keeps a
 reference to their input, no copy and no extra forward) and, before each draft, hands the drafter the state
 that predicted the context's last token: the last prefill position, then the last accepted slot of each
-verify forward. The hook reads and never changes the forward, so greedy output is unchanged. `final_hidden`
+verify forward. `crest serve`'s scheduler shares the same tap over its batched forward ([B, S, H]: `rows` picks
+each row's slot). The hook reads and never changes the forward, so greedy output is unchanged. `final_hidden`
 computes the same states for plain token windows without the LM head (the dense ingest). `model_fingerprint`
 names a model by its shape and a sample of its weights, so a dense part refuses states of another model.
 """
@@ -22,7 +23,7 @@ _TAPS: weakref.WeakKeyDictionary[Any, HiddenTap] = weakref.WeakKeyDictionary()
 
 
 class HiddenTap:
-    """Keeps the input of a model's LM head from its latest forward ([1, T, H], a reference)."""
+    """Keeps the input of a model's LM head from its latest forward ([B, T, H], a reference)."""
 
     def __init__(self, model: Any) -> None:
         self.last: torch.Tensor | None = None
@@ -36,6 +37,14 @@ class HiddenTap:
         if self.last is None:
             return None
         return self.last[0, slot].detach().float().cpu().numpy()
+
+    def rows(self, rows: list[int], slots: list[int]) -> np.ndarray | None:
+        """Return the hidden states [R, H] at (row, slot) pairs of the latest batched forward, or None before any."""
+        if self.last is None:
+            return None
+        device = self.last.device
+        picked = self.last[torch.tensor(rows, device=device), torch.tensor(slots, device=device)]  # [R, H]
+        return picked.detach().float().cpu().numpy()
 
     def close(self) -> None:
         """Remove the hook."""
@@ -52,11 +61,21 @@ def hidden_tap(model: Any, drafter: object) -> HiddenTap | None:
 
     The drafter's `bind_model` may refuse the model (ModelError: not the one its dense part was built with).
     """
+    return model_tap(model) if bind_drafter(model, drafter) else None
+
+
+def bind_drafter(model: Any, drafter: object) -> bool:
+    """Bind a drafter that queries with hidden states to the model (ModelError if refused); return whether it does."""
     if not wants_hidden(drafter):
-        return None
+        return False
     bind = getattr(drafter, "bind_model", None)
     if bind is not None:
         bind(model)
+    return True
+
+
+def model_tap(model: Any) -> HiddenTap:
+    """Return the model's one tap, hooking the LM head on the first call (call it from the thread that runs it)."""
     tap = _TAPS.get(model)
     if tap is None:
         tap = _TAPS[model] = HiddenTap(model)

@@ -1,14 +1,15 @@
 """Dense retrieval drafting (DReSD) and its hybrids: `dense`, `crest+dense` and `crest+dense+prompt`.
 
-The query is the target's last hidden state at the position that predicted the context's last token (the
-generator hands it over through `observe_hidden`: the last accepted slot of the verify forward, so no extra
-forward). Its `k` nearest stored states each carry the tokens that followed them; the first of those is the
+The query is the target's last hidden state at the position that predicted the context's last token (the generator,
+or `crest serve`'s scheduler for each row of its batch, hands it over through `observe_hidden`: the last accepted
+slot of the verify forward, so no extra forward; the scheduler's rows search through a `DenseLease`, one statement
+for the batch). Its `k` nearest stored states each carry the tokens that followed them; the first of those is the
 token their state predicted. As in DReSD, a neighbour counts only when that token is the one the target just
-produced (the context's last token), and the rest of its continuation is its draft. The drafts form one
-trie weighted by similarity (a node weighs the summed similarity of the neighbours through it), over the
-summed similarity of all `k` neighbours, so a lookup where few neighbours agree with the target predicts few
-accepted tokens. The hybrids merge that tree with the store's n-gram trees and the prompt's, each part scaled
-by how often it proves right (`MergedDrafter`); every drafter here reports its part as "dense".
+produced (the context's last token), and the rest of its continuation is its draft. The drafts form one trie
+weighted by similarity (a node weighs the summed similarity of the neighbours through it), over the summed
+similarity of all `k` neighbours, so a lookup where few neighbours agree with the target predicts few accepted
+tokens. The hybrids merge that tree with the store's n-gram trees and the prompt's, each part scaled by how often
+it proves right (`MergedDrafter`); every drafter here reports its part as "dense".
 """
 
 from __future__ import annotations
@@ -124,14 +125,14 @@ def _hybrid(parts: dict[str, Any], *, prompt: bool) -> Drafter:
     return HiddenMerged(merged, PromptDrafter()) if prompt else merged
 
 
-ONLY_GENERATE = frozenset({"generate"})  # the hidden state comes from the generator's own verify forward
+HIDDEN_PLACES = frozenset({"generate", "serve"})  # where a verify forward hands hidden states over (not vLLM)
 
 register(
     Kind(
         "dense",
         ("dense_index",),
         lambda parts: DenseDrafter(parts["dense_index"]),
-        runs=ONLY_GENERATE,
+        runs=HIDDEN_PLACES,
         summary="dense retrieval (DReSD): neighbours of the target's hidden state in the store's dense part",
     )
 )
@@ -140,7 +141,7 @@ register(
         "crest+dense",
         ("store", "dense_index"),
         lambda parts: _hybrid(parts, prompt=False),
-        runs=ONLY_GENERATE,
+        runs=HIDDEN_PLACES,
         summary="the store's tree merged with its dense part's",
     )
 )
@@ -149,7 +150,7 @@ register(
         "crest+dense+prompt",
         ("store", "dense_index"),
         lambda parts: _hybrid(parts, prompt=True),
-        runs=ONLY_GENERATE,
+        runs=HIDDEN_PLACES,
         summary="the store's tree merged with its dense part's and prompt lookup",
     )
 )

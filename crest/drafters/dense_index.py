@@ -46,6 +46,7 @@ class DenseIndex:
         self.meta: dense_db.DenseMeta | None = None
         self.model_fingerprint: str | None = None  # of the model bound to it, checked once the meta is known
         self._conn: psycopg.Connection[Any] | None = None
+        self.lookups = 0  # search statements sent (one per call, whatever the batch)
         self._next_try = 0.0
         self._warned = False
 
@@ -68,6 +69,7 @@ class DenseIndex:
         if self.model_fingerprint is not None and self.meta.model_fingerprint != self.model_fingerprint:
             return empty  # refused when bound; a version built since with another model drafts nothing
         try:
+            self.lookups += 1
             return dense_db.search(self._conn, self.meta.store_id, self.meta.project(hidden), k=k)
         except psycopg.errors.UndefinedTable:
             self.meta = None  # the version was retired and dropped: read the published one on the next lookup

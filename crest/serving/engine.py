@@ -1,11 +1,13 @@
 """The engine behind the HTTP layer: the scheduler's thread, the shared stores, and each request's drafter.
 
 `Engine.start` runs the `Scheduler` in one background thread that owns the model; `stop` drains it. Stores are
-opened once per name (`open_store`: a database that is down gives a store that drafts nothing until it
-answers) and shared by every row that drafts from them, through a `StoreLease` per row so that the scheduler
-looks up a whole batch in one pipeline. A request's drafter is the registry's drafter on that lease, merged
-with a drafter over the request's predicted output when it has one. With `learning`, each opened store gets a
-`Learner` that `submit` feeds with the store's finished requests, and a `Refresher` rebuilds the live tiers.
+opened once per name (`open_store`: a database that is down gives a store that drafts nothing until it answers) and
+shared by every row that drafts from them, through a `StoreLease` per row so that the scheduler looks up a whole
+batch in one pipeline. A store's dense part is opened once too (`open_dense`, its model checked against the served
+one) and each row that drafts from it gets a `DenseLease`, so the scheduler searches the whole batch's hidden
+states in one statement. A request's drafter is the registry's drafter on those leases, merged with a drafter over
+the request's predicted output when it has one. With `learning`, each opened store gets a `Learner` that `submit`
+feeds with the store's finished requests, and a `Refresher` rebuilds the live tiers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from typing import Any
 from crest_client.draft import Draft
 from crest_client.learner import Learner
 
+from crest.decoding.hidden import model_fingerprint, wants_hidden
+from crest.drafters.dense import HiddenMerged
+from crest.drafters.dense_index import DenseIndex, open_dense
+from crest.drafters.dense_lease import DenseLease
 from crest.drafters.lease import StoreLease
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
@@ -32,6 +38,7 @@ from crest.serving.learning import LearnOptions, server_source
 from crest.serving.scheduler import Outcome, Request, Scheduler
 
 log = logging.getLogger(__name__)
+
 
 class PredictionDrafter:
     """Drafts from a predicted output: its start before any output, else after the output's suffix within it."""
@@ -79,6 +86,7 @@ class Engine:
         self.read_dsn = read_dsn or dsn  # lookups (a replica); learning writes to `dsn`
         self.default_drafter = drafter if store or not kind_of(drafter).needs else "prompt"
         self._stores: dict[str, Any] = {}
+        self._dense: dict[str, DenseIndex] = {}
         self._learners: dict[str, Learner] = {}
         self.refresher: Refresher | None = None
         if learning is not None and learning.refresh_interval > 0:
@@ -107,6 +115,8 @@ class Engine:
             self.refresher.stop()
         with self._lock:
             stores, self._stores = list(self._stores.values()), {}
+            stores += list(self._dense.values())
+            self._dense = {}
             learners, self._learners = list(self._learners.values()), {}
         for learner in learners:
             learner.close()
@@ -134,6 +144,22 @@ class Engine:
                         self._learners[name] = self._new_learner(name)
                     except Exception as exc:  # no learning for this store, drafting goes on
                         log.warning("store %r will not learn: %s", name, exc)
+            return found
+
+    def dense_index(self, name: str) -> DenseIndex:
+        """Return store `name`'s shared dense part, opened once (ConfigError without one, ModelError: another model)."""
+        with self._lock:
+            found = self._dense.get(name)
+            if found is None:
+                found = open_dense(
+                    name, dsn=self.read_dsn, fingerprint=self.fingerprint, retry_interval=self.retry_interval
+                )
+                try:
+                    found.check_model(model_fingerprint(self.scheduler.gen.model))
+                except BaseException:
+                    found.close()
+                    raise
+                self._dense[name] = found
             return found
 
     def _records(self) -> bool:
@@ -188,17 +214,22 @@ class Engine:
     ) -> Request:
         """Return the scheduler request with its drafter (and store leases) for these options."""
         name, store_name = self.check_drafter(drafter, store)
+        needs = kind_of(name).needs
         leases: list[StoreLease] = []
-        if store_name is not None and ("store" in kind_of(name).needs or self._records()):
+        if store_name is not None and ("store" in needs or self._records()):
             opened = self.store(store_name)  # also for a request that only teaches its store
-            if "store" in kind_of(name).needs:
+            if "store" in needs:
                 leases.append(StoreLease(opened))
-        base = make_drafter(name, store=leases[0] if leases else None) if name != "none" else None
+        dense = [DenseLease(self.dense_index(store_name))] if store_name is not None and "dense_index" in needs else []
+        base = None
+        if name != "none":
+            base = make_drafter(name, store=leases[0] if leases else None, dense_index=dense[0] if dense else None)
         if prediction:
             ids = [int(t) for t in self.tokenizer.encode(prediction, add_special_tokens=False)]
             predicted = PredictionDrafter(ids, len(prompt))
-            base = predicted if base is None else MergedDrafter(base, predicted)
-        return Request(prompt, drafter=base, leases=leases, store=store_name, **options)
+            merged = HiddenMerged if wants_hidden(base) else MergedDrafter  # hidden states reach the dense part
+            base = predicted if base is None else merged(base, predicted)
+        return Request(prompt, drafter=base, leases=leases, dense=dense, store=store_name, **options)
 
     def check_drafter(self, drafter: str | None, store: str | None) -> tuple[str, str | None]:
         """Return a request's drafter and its store (given, else the server's; None: none); ConfigError if bad."""
@@ -208,7 +239,7 @@ class Engine:
         if kind is None:
             raise ConfigError(f"unknown drafter {requested!r}: this server drafts with one of {', '.join(served)}")
         store_name = store or self.default_store
-        if "store" in kind.needs and not store_name:
+        if ("store" in kind.needs or "dense_index" in kind.needs) and not store_name:
             raise ConfigError(f'drafter {kind.name!r} needs a store: give "store" or start the server with --store')
         check_drafter(kind.name, where="serve", store=store_name)
         return kind.name, store_name

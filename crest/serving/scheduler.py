@@ -1,13 +1,14 @@
 """Continuous batching: a plain class whose `step()` admits requests, drafts, verifies every row in one forward.
 
-`Scheduler.submit` checks a request (in the caller's thread: bad options raise at once) and queues it,
-returning a `concurrent.futures.Future` of its `Outcome`; text streams through the request's `on_text` as it is
-accepted. Each `step()` admits waiting requests up to `max_batch` (each prefilled alone and merged into the
-`BatchCache`), drops cancelled rows, drafts for all rows (stores looked up in one pipeline per store), sizes
-the drafts for the batch, runs one target forward, accepts per row exactly as `SpeculativeGenerator` does
-(its own `accept` and `commit` steps: greedy argmax, or the row's own seeded generator) and finishes rows that
-stopped. One row's failure fails that request only. `run()` loops `step()` in the thread that owns the model;
-`close()` drains. Tests drive `step()` directly.
+`Scheduler.submit` checks a request (in the caller's thread: bad options raise at once) and queues it, returning a
+`concurrent.futures.Future` of its `Outcome`; text streams through the request's `on_text` as it is accepted. Each
+`step()` admits waiting requests up to `max_batch` (each prefilled alone and merged into the `BatchCache`), drops
+cancelled rows, drafts for all rows (stores looked up in one pipeline per store; rows whose drafter queries with
+hidden states get the one that predicted their last token, and their dense lookups go as one ANN statement per
+dense index), sizes the drafts for the batch, runs one target forward, accepts per row exactly as
+`SpeculativeGenerator` does (its own `accept` and `commit` steps: greedy argmax, or the row's own seeded generator)
+and finishes rows that stopped. One row's failure fails that request only. `run()` loops `step()` in the thread
+that owns the model; `close()` drains. Tests drive `step()` directly.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import torch
 from crest_client.draft import Draft, empty_draft
 
 from crest.decoding.generator import DecodeState, GenerationResult, SpeculativeGenerator
+from crest.decoding.hidden import bind_drafter, feed_hidden, model_tap, wants_hidden
 from crest.decoding.sampling import accept_greedy, children_of
 from crest.decoding.sizing import CostModel
+from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.protocol import Drafter
 from crest.errors import CrestError
@@ -59,6 +62,7 @@ class Request:
     stop: Sequence[str] = ()
     drafter: Drafter | None = None
     leases: Sequence[StoreLease] = ()  # the store views inside `drafter`, filled once per step for the batch
+    dense: Sequence[DenseLease] = ()  # the dense-index views inside `drafter`, searched once per step for the batch
     store: str | None = None  # the store the request belongs to: it drafts from it and, learning, teaches it
     on_text: Callable[[str], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -156,6 +160,7 @@ class Scheduler:
             stop=request.stop,
             on_text=request.on_text,
         )
+        bind_drafter(self.gen.model, request.drafter)  # a dense part of another model: ModelError now
         with self._lock:
             if self._queued >= self.max_queue + max(0, self.max_batch - len(self._rows)):
                 raise QueueFull(f"{self._queued} requests are waiting (--max-queue {self.max_queue})")
@@ -219,9 +224,13 @@ class Scheduler:
                 continue
             try:
                 row.state.started = time.perf_counter()
+                if wants_hidden(row.request.drafter):
+                    row.state.tap = model_tap(self.gen.model)  # hooked here, in the thread that runs the model
                 self.batch.prefill(row.state.prompt)
                 row.state.prefill_seconds = time.perf_counter() - row.state.started
                 row.state.cache = _NoCache()
+                if row.state.tap is not None and len(row.state.prompt) > 1:  # else no forward ran: unknown
+                    row.state.hidden = row.state.tap.row(-1)
             except Exception as exc:
                 self._fail(row, exc)
                 continue
@@ -260,6 +269,7 @@ class Scheduler:
             if slots:  # the context is still the one the row drafted for
                 tally_parts(row.parts, row.request.drafter, drafts[r], context_length=len(row.state.context),
                             accepted=new[: len(slots)])  # fmt: skip
+        self._keep_hidden(accepted)
         self.batch.commit(accepted)
         if self._observe_costs:
             self.policy.observe_cost(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
@@ -295,10 +305,35 @@ class Scheduler:
         leases = [(lease, row.state.context) for row in rows for lease in row.request.leases]
         if leases:
             prefetch([lease for lease, _ in leases], [ctx for _, ctx in leases], max_nodes=self.budget)
+        self._feed_hidden()
         drafts = [
             self.policy.draft(row.request.drafter, row.state.context, room=self.gen.room(row.state)) for row in rows
         ]
         return self.policy.size(drafts)
+
+    def _keep_hidden(self, accepted: list[list[int]]) -> None:
+        """Keep each hidden-state row's state at its last accepted slot (root: 0): it predicted the token after."""
+        rows = [r for r, row in enumerate(self._rows) if row.state.tap is not None]
+        if not rows:
+            return
+        found = self._rows[rows[0]].state.tap.rows(rows, [accepted[r][-1] if accepted[r] else 0 for r in rows])
+        for i, r in enumerate(rows):
+            self._rows[r].state.hidden = found[i] if found is not None else None
+
+    def _feed_hidden(self) -> None:
+        """Hand each hidden-state row's drafter its state; search all rows' dense leases, one statement per index."""
+        leases: list[DenseLease] = []
+        states: list[Any] = []
+        for row in self._rows:
+            state = row.state
+            if state.tap is None:
+                continue
+            feed_hidden(row.request.drafter, len(state.context), state.hidden)
+            if state.hidden is not None and self.gen.room(state) > 0:
+                leases.extend(row.request.dense)
+                states.extend([state.hidden] * len(row.request.dense))
+        if leases:
+            prefetch_dense(leases, states)
 
     def _remove(self, indices: list[int]) -> None:
         if not indices:

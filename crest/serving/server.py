@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from crest.drafters.registry import check_drafter
+from crest.drafters.registry import check_drafter, kind_of
 from crest.drafters.store import check_store
 from crest.errors import ConfigError
 from crest.serving.learning import LearnOptions
@@ -76,6 +76,8 @@ def build_app(options: ServeOptions, *, on_progress: Callable[[str], None] | Non
     )  # fmt: skip
     if opts.store:
         engine.store(opts.store)  # a missing store or another tokenizer's fails now; a database that is down does not
+        if "dense_index" in kind_of(opts.drafter).needs:
+            engine.dense_index(opts.store)  # no dense part, or one of another model, fails now too
     return create_app(engine, api_key=opts.api_key)
 
 
