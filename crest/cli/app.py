@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 from crest.cli.bench_commands import bench_app, rest_app
 from crest.cli.db_commands import db_app, server_app
 from crest.cli.drafter_commands import drafters
-from crest.cli.export_commands import export_hf
+from crest.cli.export_commands import export, export_hf
 from crest.cli.generate import generate
 from crest.cli.learn_commands import forget, learn, refresh
 from crest.cli.serve import serve
@@ -52,6 +52,7 @@ app = typer.Typer(
 for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, serve, drafters):
     app.command()(command)
 app.command("export-hf")(export_hf)
+app.command()(export)
 app.add_typer(db_app, name="db")
 app.add_typer(server_app, name="server")
 app.add_typer(bench_app, name="bench")
