@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from crest_client.codec import TokenTable, decode_tree, encode_tree, token_width
+from crest_client.codec import TokenTable, decode_tree, encode_tree, token_width, tree_nodes
 from crest_client.errors import CodecError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -272,3 +272,13 @@ def test_fuzz_damaged_real_blobs_raise_only_a_clear_codec_error(
         return
     draft.validate()
     assert (np.diff(draft.weights) <= 0).all() and (draft.weights >= 0).all()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("nodes", [0, 1, 127, 128, 300])
+def test_tree_nodes_reads_the_count_from_the_header(version: int, nodes: int) -> None:
+    parents = np.arange(-1, nodes - 1, dtype=np.int32)
+    blob = encode_tree(np.arange(nodes), parents, np.arange(nodes, 0, -1), vocab_size=1000, version=version)
+    assert tree_nodes(blob) == len(decode_tree(blob)) == nodes
+    with pytest.raises(CodecError):
+        tree_nodes(bytes([3]) + blob[1:])

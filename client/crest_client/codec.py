@@ -145,6 +145,19 @@ def decode_tree(blob: bytes | memoryview, *, n: int = 0, table: TokenTable | Non
     raise CodecError(f"tree blob has unknown format version {version} (this client reads 1 and 2)")
 
 
+def tree_nodes(blob: bytes | memoryview) -> int:
+    """Return a blob's node count from its header, without decoding it; raise `CodecError` when it is malformed."""
+    data = blob if isinstance(blob, bytes) else bytes(blob)
+    if len(data) < _HEADER.size or data[0] not in (1, 2):
+        raise CodecError("tree blob is shorter than its header or of an unknown format version")
+    if data[0] == 2:
+        return _read_varint(data, 2)[0]
+    counter = _COUNT[(data[1] & _LONG) >> 7]
+    if len(data) < _HEADER.size + counter.size:
+        raise CodecError(f"tree blob of {len(data)} bytes is shorter than its header")
+    return int(counter.unpack_from(data, _HEADER.size)[0])
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
