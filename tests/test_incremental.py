@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import psycopg
 import pytest
+from crest_client.choice import promise
 
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
@@ -79,6 +80,21 @@ def live_version(dsn: str, store: str) -> tuple[Any, ...]:
     return version_rows(dsn, sid), bytes(table), bytes(key_filter), {k: figures[k] for k in keep}, params["build"]
 
 
+def assert_pruned(dsn: str, store: str) -> None:
+    """Check the store's live version was built with `--suffix-rule prune`: no row loses to a stored suffix."""
+    sid = published(dsn, store)["live"]
+    with psycopg.connect(dsn) as conn:
+        params = conn.execute("SELECT params FROM crest_stores WHERE id = %s", (sid,)).fetchone()
+    assert params is not None and params[0]["suffix_rule"] == "prune"
+    rows = {
+        key: promise(n, count, tree, max_matches=OPTIONS.max_matches) for n, key, count, tree in version_rows(dsn, sid)
+    }
+    width = len(min(rows, key=len))
+    for key, score in rows.items():
+        suffixes = [key[c:] for c in range(width, len(key), width) if key[c:] in rows]
+        assert all(score >= rows[s] for s in suffixes), "a kept row loses to its stored suffix: not pruned"
+
+
 def over_max_matches(dsn: str, store: str) -> int:
     """Return how many rows of the store's live version hold an n-gram seen more than max_matches times."""
     with psycopg.connect(dsn) as conn:
@@ -100,8 +116,18 @@ STREAMS = [
 
 @pytest.mark.parametrize(
     ("seed", "window", "per_append", "longest", "appends", "suffix_rule"),
-    [(*stream, "lookup") for stream in STREAMS] + [(*STREAMS[0], "backoff"), (*STREAMS[2], "backoff")],
-    ids=["sliding", "append-only", "long-cut-rows", "many-short-rows", "sliding-backoff", "long-cut-rows-backoff"],
+    [(*stream, "lookup") for stream in STREAMS]
+    + [(*STREAMS[0], "backoff"), (*STREAMS[2], "backoff"), (*STREAMS[0], "prune"), (*STREAMS[2], "prune")],
+    ids=[
+        "sliding",
+        "append-only",
+        "long-cut-rows",
+        "many-short-rows",
+        "sliding-backoff",
+        "long-cut-rows-backoff",
+        "sliding-prune",
+        "long-cut-rows-prune",
+    ],
 )
 def test_incremental_refresh_equals_a_full_rebuild(
     db_dsn: str,
@@ -131,6 +157,8 @@ def test_incremental_refresh_equals_a_full_rebuild(
         assert want[4]["mode"] == "full" and want[4]["why"] == "asked"
         assert (inc.mode, inc.reused, inc.built) == (got[4]["mode"], got[4]["reused"], got[4]["built"])
         assert inc.reused + inc.built == inc.ngrams == ref.ngrams > 0
+        if suffix_rule == "prune":
+            assert_pruned(db_dsn, "inc")
         modes.append(inc.mode)
         reused, built = reused + inc.reused, built + inc.built
         sampled = max(sampled, over_max_matches(db_dsn, "inc"))

@@ -6,15 +6,20 @@ import json
 from pathlib import Path
 
 import numpy as np
+import psycopg
 import pytest
 from crest_client import Store
+from crest_client.choice import promise
+from crest_client.codec import tree_nodes
 from crest_client.draft import Draft
+from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest.config import IngestOptions
-from crest.ingest.pipeline import ingest
+from crest.ingest.pipeline import IngestSummary, ingest
 from crest.ingest.suffixes import BACKOFF_SCALE, backoff_share, backoff_tree, stored_order
 from tests.fix_cli import run
 from tests.fix_corpus import make_word_tokenizer, write_jsonl
+from tests.fix_learning import published, version_rows
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -96,13 +101,133 @@ def test_lookup_says_where_the_matched_rows_tree_came_from(
     )
 
 
-def test_spark_refuses_the_backoff_rule_before_any_work() -> None:
+@pytest.mark.parametrize("rule", ["backoff", "prune"])
+def test_spark_refuses_the_rules_decided_at_ingest_before_any_work(rule: str) -> None:
     from crest.errors import ConfigError
     from crest.ingest.publishing import check_ingest
 
-    options = IngestOptions(top_t=10, suffix_rule="backoff")
-    with pytest.raises(ConfigError, match="--engine spark stores each n-gram's own tree only"):
+    options = IngestOptions(top_t=10, suffix_rule=rule)
+    with pytest.raises(
+        ConfigError, match=f"--engine spark stores each n-gram's own tree only, not --suffix-rule {rule}"
+    ):
         check_ingest(options, store="s", engine="spark")
-    assert check_ingest(options, store="s").suffix_rule == "backoff"
+    assert check_ingest(options, store="s").suffix_rule == rule
     with pytest.raises(ConfigError, match="unknown --suffix-rule 'merged'"):
         check_ingest(IngestOptions(top_t=10, suffix_rule="merged"), store="s")
+
+
+def _corpus(seed: int) -> list[dict[str, str]]:
+    """Return documents of 12 words: a few repeated phrases (long matches, ties) among Zipf-like words."""
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 12, size=int(rng.integers(2, 6))).tolist() for _ in range(6)]
+    docs = []
+    for _ in range(60):
+        words: list[int] = []
+        while len(words) < int(rng.integers(4, 30)):
+            words += phrases[int(rng.integers(6))] if rng.random() < 0.4 else [min(11, int(rng.zipf(1.5)) - 1)]
+        docs.append({"text": " ".join(WORDS[w] for w in words)})
+    return docs
+
+
+def _prune_stores(dsn: str, tmp_path: Path, seed: int) -> dict[str, IngestSummary]:
+    """Build `own` (each row its own tree) and `pruned` (--suffix-rule prune) from one random corpus."""
+    tokenizer = make_word_tokenizer(tmp_path / "tok", WORDS)
+    corpus = write_jsonl(tmp_path / "c.jsonl", _corpus(seed))
+    out = {}
+    for name, rule in (("own", "lookup"), ("pruned", "prune")):
+        options = IngestOptions(**{**OPTIONS.__dict__, "max_n": 4, "max_matches": 20, "suffix_rule": rule})
+        out[name] = ingest([str(corpus)], store=name, tokenizer=str(tokenizer), dsn=dsn, options=options)
+    return out
+
+
+def _same(a: Draft | None, b: Draft | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.n == b.n and all(
+        np.array_equal(x, y) for x, y in ((a.tokens, b.tokens), (a.parents, b.parents), (a.weights, b.weights))
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_pruned_store_drafts_what_expected_drafts_on_the_whole_store(
+    db_dsn: str, tmp_path: Path, seed: int
+) -> None:
+    _prune_stores(db_dsn, tmp_path, seed)
+    rng = np.random.default_rng(100 + seed)
+    docs = [[WORDS.index(w) + 2 for w in d["text"].split()] for d in _corpus(seed)]
+    differs = 0
+    with (
+        Store.connect(db_dsn, "own", timeout=5.0, rule="expected", cache_size=0) as own,
+        Store.connect(db_dsn, "own", timeout=5.0, rule="longest", cache_size=0) as longest,
+        Store.connect(db_dsn, "pruned", timeout=5.0, rule="longest", cache_size=0) as pruned,
+    ):
+        for i in range(250):
+            doc = docs[int(rng.integers(len(docs)))]
+            end = int(rng.integers(1, len(doc) + 1))
+            context = [int(t) for t in rng.integers(2, 14, size=int(rng.integers(0, 3)))] + doc[max(0, end - 5) : end]
+            if i % 5 == 0:  # some contexts of random words only
+                context = rng.integers(2, 14, size=int(rng.integers(1, 6))).tolist()
+            want = own.draft(context)
+            assert _same(pruned.draft(context), want), f"context {context}: the pruned store drafts another tree"
+            differs += not _same(longest.draft(context), want)
+    assert differs > 10, "the contexts must exercise suffixes where `expected` and `longest` disagree"
+
+
+def test_pruned_rows_are_absent_and_counted(db_dsn: str, tmp_path: Path) -> None:
+    summaries = _prune_stores(db_dsn, tmp_path, 4)
+    ids = published(db_dsn, "own")["static"], published(db_dsn, "pruned")["static"]
+    whole, left = (version_rows(db_dsn, sid) for sid in ids)
+    by_key = {key: (n, count, tree) for n, key, count, tree in whole}
+    width = len(min(by_key, key=len))
+
+    def score(key: bytes) -> tuple[float, int]:  # the `expected` rule's key of a row
+        n, count, tree = by_key[key]
+        return promise(n, count, tree, max_matches=20), n
+
+    # restated: a row stays when it beats every stored proper suffix of it, so some context drafts from it
+    shorter = {key: [key[c:] for c in range(width, len(key), width) if key[c:] in by_key] for key in by_key}
+    kept = {key for key in by_key if all(score(key) > score(s) for s in shorter[key])}
+    assert {key for _, key, _, _ in left} == kept and kept < set(by_key)
+    assert {len(k) // width for k in set(by_key) - kept} == {2, 3, 4}, "every length above 1 loses rows"
+    assert all(len(k) // width == 1 for k in by_key if not shorter[k]) and not any(
+        len(k) // width == 1 for k in set(by_key) - kept
+    )
+    summary = summaries["pruned"]
+    assert summary.kept == {n: sum(len(k) // width == n for k in kept) for n in range(1, 5)}
+    assert summary.covered == {n: sum(c for m, k, c, _ in left if m == n) for n in range(1, 5)}
+    assert summary.blob_bytes == sum(len(t) for *_, t in left)
+    assert summary.avg_tree_nodes == sum(tree_nodes(t) for *_, t in left) / len(left)
+    assert summary.counted == summaries["own"].counted and summary.table_bytes < summaries["own"].table_bytes
+    with psycopg.connect(db_dsn) as conn:
+        row = conn.execute("SELECT key_filter FROM crest_store_data WHERE store_id = %s", (ids[1],)).fetchone()
+        figures = conn.execute("SELECT figures FROM crest_stores WHERE id = %s", (ids[1],)).fetchone()
+    assert (
+        row is not None and figures is not None and figures[0]["kept"] == {str(n): summary.kept[n] for n in range(1, 5)}
+    )
+    grams = [np.frombuffer(k, dtype=f">u{width}").astype(np.int64).reshape(1, -1) for k in sorted(kept)]
+    hashes = np.concatenate([hash_keys(g) for g in grams])
+    assert bytes(row[0]) == KeyFilter.build(hashes).to_bytes(), "the key filter holds the kept keys only"
+
+
+def test_an_unknown_suffix_rule_is_refused_by_the_cli(
+    db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokenizer = make_word_tokenizer(tmp_path / "tok", WORDS)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "w1 w2 w3"}])
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    monkeypatch.setenv("CREST_BUILD_SUFFIX_RULE", "pruned")
+    code, _, err = run(monkeypatch, capsys, "ingest", str(corpus), "--store", "s", "--tokenizer", str(tokenizer))
+    assert code == 2 and "unknown --suffix-rule 'pruned': use lookup, backoff or prune" in err
+    assert "Traceback" not in err
+
+
+def test_lookup_says_the_pruned_stores_row_is_the_expected_rules_choice(
+    db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _prune_stores(db_dsn, tmp_path, 1)
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    code, out, err = run(monkeypatch, capsys, "lookup", "--store", "pruned", "w0 w1", "--json")
+    found = json.loads(out)
+    assert code == 0 and found["n"] >= 1, err
+    assert found["source"].startswith("its own occurrences (seen ")
+    assert "kept at ingest (prune): the suffix the expected rule chooses" in found["source"]

@@ -94,6 +94,10 @@ def tree_source(dsn: str, handle: Store, suffix: list[int], rule: str) -> str:
     counts = {int(n): int(c) for n, c in rows}
     own = counts.pop(len(suffix), 0)
     shorter = ", ".join(f"n={n}: seen {c}" for n, c in counts.items())
+    if built == "prune":
+        return f"its own occurrences (seen {own}), kept at ingest (prune): the suffix the expected rule chooses, " + (
+            f"over its kept shorter suffixes ({shorter})" if shorter else "no shorter suffix is kept"
+        )
     if not shorter:
         return f"decided at ingest ({built}): its own occurrences (seen {own}); no shorter suffix is stored"
     return f"decided at ingest ({built}): its own occurrences (seen {own}) backed off to its suffixes' ({shorter})"

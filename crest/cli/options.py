@@ -101,8 +101,10 @@ SuffixRule = Annotated[
         envvar="CREST_BUILD_SUFFIX_RULE",
         show_envvar=True,
         help="The tree each stored n-gram's row holds: lookup (its own; the client's suffix rule chooses among a "
-        "context's stored suffixes at each lookup) or backoff (decided here: its own tree merged with its "
-        "suffixes', as n-gram models back off, so a lookup fetches one row).",
+        "context's stored suffixes at each lookup), backoff (decided here: its own tree merged with its "
+        "suffixes', as n-gram models back off, so a lookup fetches one row) or prune (its own, kept only where "
+        "the client's expected rule would draft from it: a lookup fetches one row and drafts what expected "
+        "drafts on the whole store, in fewer bytes).",
     ),
 ]
 Keep = Annotated[

@@ -175,6 +175,8 @@ def lookup(
     The SDK drafts the same way (`Store.connect(rule=...)`); --rule longest shows the longest stored suffix's tree.
     A store built with --suffix-rule backoff decided each row's tree at ingest (its own merged with its suffixes'):
     the longest stored suffix matches whatever the rule, and the line `tree:` names the suffixes it backed off to.
+    One built with --suffix-rule prune kept only the rows the expected rule can choose: its longest stored suffix
+    is the expected rule's choice, whatever --rule says.
     """
     from crest_client.choice import resolve_rule
 

@@ -9,7 +9,7 @@ filter as it goes; rows a `RowReuse` supplies (the live tier's incremental refre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -190,6 +190,16 @@ class RowLoader:
             for n, keys in self.keys.items()
         ]
         return KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
+
+    def drop(self, dropped: Mapping[bytes, int]) -> None:
+        """Forget rows deleted after loading (key -> count): their keys, kept n-grams and covered positions."""
+        if not dropped:
+            return
+        for n, keys in self.keys.items():
+            self.keys[n] = [k for k in keys if k not in dropped]
+            self.kept[n] = len(self.keys[n])
+        for key, count in dropped.items():
+            self.covered[len(key) // self.width] -= count
 
     def row_bytes(self, n: int, blob_bytes: np.ndarray) -> np.ndarray:
         """Return the on-disk bytes of rows of length-n keys with blobs of these sizes."""

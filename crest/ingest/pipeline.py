@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,6 +50,10 @@ class Reuse(RowReuse, Protocol):
     """Supplies rows of a previous version that need no rebuilding, and records how the version was built."""
 
     decided: set[bytes]  # keys of the rows it copied, whose trees the previous version's suffix rule decided
+
+    def drop(self, keys: Collection[bytes]) -> None:
+        """Forget copied rows that the suffix rule then deleted."""
+        ...
 
     def record(self, build: db.Build, summary: IngestSummary) -> None:
         """Record in the build's params how it was built (before it is published)."""
@@ -177,7 +181,7 @@ def build_store(
         loader = RowLoader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
         loader.fixed_table, loader.reuse = token_table, reuse
         top_t = loader.load(tokens, offsets, counts, rep)
-        decided = resolve_build(  # the tree each row holds: crest.ingest.suffixes
+        resolved = resolve_build(  # the tree each row holds: crest.ingest.suffixes
             build,
             options=options,
             vocab_size=vocabulary.size,
@@ -185,8 +189,11 @@ def build_store(
             width=loader.width,
             decided=reuse.decided if reuse is not None else (),
         )
-        if decided is not None:
-            loader.nodes, loader.blob_bytes = decided
+        if resolved is not None:
+            loader.nodes, loader.blob_bytes = resolved.nodes, resolved.blob_bytes
+            loader.drop(resolved.dropped)  # the key filter and the figures count the rows left only
+            if reuse is not None:
+                reuse.drop(resolved.dropped)
         build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
         rep.done("build trees + load")
         seconds["trees_load"] = time.perf_counter() - t0

@@ -16,15 +16,22 @@ node's weight is each tree's share of continuations through it, weighted), scale
 weight under 128 is one header byte and keeps the blob on the SDK's batch decoder's fast path; the estimates need
 no finer grain), cut to the tree size and stored in the stored-tree order. Rows the live tier's incremental
 refresh copied from its previous version were decided there and are kept (a row is copied only when the rows of
-all its suffixes were copied too).
+all its suffixes were copied too). With `--suffix-rule prune` each row keeps its own tree, and only the rows the
+client's `expected` rule would ever draft from are kept: g stays when `crest_client.choice.choose` prefers it to
+the most promising of its stored proper suffixes (1-grams, with none, always stay). The rule's score depends on
+the row alone, so the longest kept suffix of any context is the suffix `expected` chooses on the whole build: one
+row per lookup drafts what `expected` drafts, from the rows that can win. The decision is made on every row
+(copied ones too): it depends only on the rows built, which an incremental refresh builds as a full one does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
 import numpy as np
-from crest_client.codec import TokenTable, decode_tree, encode_tree
+from crest_client.choice import choose
+from crest_client.codec import TokenTable, decode_tree, encode_tree, tree_nodes
 from crest_client.draft import Draft
 from crest_client.merge import merge_drafts
 from crest_client.order import chain_order
@@ -34,6 +41,17 @@ from crest import db
 from crest.config import IngestOptions
 
 BACKOFF_SCALE = 127  # integer weight of a back-off tree's whole mass: weights 1..127
+
+Row = tuple[bytes, int, int, bytes]  # (key, n, count, tree) as stored
+T = TypeVar("T")
+
+
+class Resolved(NamedTuple):
+    """What a suffix rule left in a build: nodes and blob bytes of its rows, and the rows it dropped."""
+
+    nodes: int
+    blob_bytes: int
+    dropped: dict[bytes, int]  # key -> count of each row deleted (`prune`)
 
 
 def backoff_share(count: int, followers: int, *, max_matches: int) -> float:
@@ -72,29 +90,75 @@ def resolve_build(
     table: TokenTable,
     width: int,
     decided: Collection[bytes] = (),
-) -> tuple[int, int] | None:
-    """Rewrite the build's rows with the trees `options.suffix_rule` decides; return (nodes, blob bytes) of all rows.
+) -> Resolved | None:
+    """Rewrite the build's rows as `options.suffix_rule` decides; return what is left (None with `lookup`).
 
-    None (nothing rewritten) with the `lookup` rule. `decided` holds the keys of rows copied already decided.
+    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row).
     """
     if options.suffix_rule == "lookup":
         return None
     ngrams = db.ngram_table(build.store_id)
     with build.conn.transaction():
-        rows = build.conn.execute(
+        found = build.conn.execute(
             sql.SQL("SELECT key, n, count, tree FROM {} ORDER BY n").format(ngrams), binary=True
         ).fetchall()
+    rows: list[Row] = [(bytes(k), int(n), int(c), bytes(t)) for k, n, c, t in found]
+    dropped: dict[bytes, int] = {}
+    if options.suffix_rule == "prune":
+        keep = prune_mask(rows, width=width, max_matches=options.max_matches)
+        dropped = {r[0]: r[2] for r, kept in zip(rows, keep, strict=True) if not kept}
+        rows = [r for r, kept in zip(rows, keep, strict=True) if kept]
+        nodes = sum(tree_nodes(r[3]) for r in rows)
+    else:
+        rows, nodes = _backoff_rows(
+            rows, options=options, vocab_size=vocab_size, table=table, width=width, decided=decided
+        )
+    with build.conn.transaction():
+        build.conn.execute(sql.SQL("TRUNCATE {}").format(ngrams))
+    build.copy_ngrams(_rows(rows))
+    return Resolved(nodes, sum(len(r[3]) for r in rows), dropped)
+
+
+def prune_mask(rows: Sequence[Row], *, width: int, max_matches: int) -> list[bool]:
+    """Return, for rows ordered by n, whether the `expected` rule would ever draft from each (`prune`).
+
+    A row is kept when `choose` prefers it to the best of its stored proper suffixes; the best of a row's suffixes
+    and itself is then the best of its longest stored proper suffix's and itself, so one pass, shortest first.
+    """
+    best: dict[bytes, tuple[int, int, bytes]] = {}  # key -> (n, count, tree) of the best of it and its suffixes
+    keep: list[bool] = []
+    for key, n, count, tree in rows:
+        own = (n, count, tree)
+        suffix = _suffix(key, width, best)
+        if suffix is None or choose([suffix, own], max_matches=max_matches) == 1:  # own wins ties: it is longer
+            best[key] = own
+            keep.append(True)
+        else:
+            best[key] = suffix
+            keep.append(False)
+    return keep
+
+
+def _backoff_rows(
+    rows: list[Row],
+    *,
+    options: IngestOptions,
+    vocab_size: int,
+    table: TokenTable,
+    width: int,
+    decided: Collection[bytes],
+) -> tuple[list[Row], int]:
+    """Return the rows with their back-off trees (`backoff`), and their nodes."""
     ranked = table if options.blob_format == 2 else None
     blobs: dict[bytes, bytes] = {}  # key -> decided blob, lengths done so far
-    out: list[tuple[bytes, int, int, bytes]] = []
+    out: list[Row] = []
     nodes = 0
     for key, n, count, tree in rows:
-        key, tree = bytes(key), bytes(tree)
-        own = decode_tree(tree, n=int(n), table=ranked)
+        own = decode_tree(tree, n=n, table=ranked)
         if key not in decided:
             suffix = _suffix(key, width, blobs)
             if suffix is not None:
-                decided_tree = backoff_tree(own, decode_tree(suffix, table=ranked), count=int(count), options=options)
+                decided_tree = backoff_tree(own, decode_tree(suffix, table=ranked), count=count, options=options)
                 own = stored_order(decided_tree)
                 tree = encode_tree(
                     own.tokens,
@@ -106,21 +170,18 @@ def resolve_build(
                 )
         blobs[key] = tree
         nodes += len(own)
-        out.append((key, int(n), int(count), tree))
-    with build.conn.transaction():
-        build.conn.execute(sql.SQL("TRUNCATE {}").format(ngrams))
-    build.copy_ngrams(_rows(out))
-    return nodes, sum(len(r[3]) for r in out)
+        out.append((key, n, count, tree))
+    return out, nodes
 
 
-def _suffix(key: bytes, width: int, blobs: dict[bytes, bytes]) -> bytes | None:
-    """Return the decided blob of the key's longest stored proper suffix, or None."""
+def _suffix(key: bytes, width: int, decided: Mapping[bytes, T]) -> T | None:
+    """Return what was decided for the key's longest stored proper suffix, or None."""
     for cut in range(width, len(key), width):
-        found = blobs.get(key[cut:])
+        found = decided.get(key[cut:])
         if found is not None:
             return found
     return None
 
 
-def _rows(rows: list[tuple[bytes, int, int, bytes]]) -> Iterator[tuple[bytes, int, int, bytes]]:
+def _rows(rows: list[Row]) -> Iterator[Row]:
     yield from rows
