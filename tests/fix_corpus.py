@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from crest.ingest.tokenizer import Tokenizer, load_tokenizer
+from crest.decoding.tokenizer import Tokenizer, load_tokenizer
 
 CONVERSATIONS: list[dict[str, Any]] = [
     {

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from crest.cli.app import main
-from crest.ingest.tokenizer import load_tokenizer
+from crest.decoding.tokenizer import load_tokenizer
 from tests.fix_corpus import CONVERSATIONS, record_starts, write_sharegpt
 
 pytest_plugins = ["tests.fix_corpus"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import EXIT_FAILURE, EXIT_USAGE
-from crest.ingest.tokenizer import load_tokenizer
 from tests.fix_cli import one_error_line, run
 from tests.fix_corpus import write_jsonl
 from tests.fix_learning import OPTIONS, STATIC_TEXT

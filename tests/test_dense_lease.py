@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.tokenizer import Tokenizer
 from crest.drafters.dense_index import DenseIndex, open_dense
 from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.errors import ModelError
-from crest.ingest.tokenizer import Tokenizer
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
 from crest.serving.scheduler import Outcome, Scheduler

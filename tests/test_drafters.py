@@ -17,9 +17,9 @@ from crest_client.errors import CodecError, ConnectionUnavailable, InvalidName, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import NAMES, check_drafter, make_drafter, open_drafter
 from crest.drafters.store import PendingStore, StoreDrafter
 from crest.drafters.suffix_array import RestDrafter, RestIndex

@@ -13,9 +13,9 @@ import pytest
 from crest_client import FingerprintMismatch, Store
 
 from crest.config import IngestOptions
+from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import EXIT_USAGE, ConfigError
 from crest.ingest.pipeline import ingest
-from crest.ingest.tokenizer import load_tokenizer
 from tests.fix_cli import run_cli
 
 SQL = Path(__file__).resolve().parent.parent / "sql"

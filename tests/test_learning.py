@@ -26,9 +26,9 @@ from crest import db
 from crest.config import DEFAULT_LEARN_WINDOW
 from crest.db.roles import create_roles
 from crest.db.versions import refresh_lock_key
+from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError, StoreNotFound
 from crest.ingest.pipeline import ingest
-from crest.ingest.tokenizer import load_tokenizer
 from crest.learning import append_learned, forget, read_window, refresh_live
 from tests.fix_corpus import write_jsonl
 from tests.fix_learning import OPTIONS, STATIC_TEXT, published, start_paused_refresh, version_rows, wait_until_unlocked

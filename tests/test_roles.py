@@ -26,9 +26,9 @@ from crest.config import IngestOptions
 from crest.db import upgrade
 from crest.db.roles import LEARNED_INSERT_COLUMNS, create_roles
 from crest.db.schema import learned
+from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError
 from crest.ingest.pipeline import ingest
-from crest.ingest.tokenizer import load_tokenizer
 from tests.fix_require import require
 
 pytest_plugins = ["tests.fix_corpus"]

@@ -62,7 +62,7 @@ def test_smollm2_served_over_http_to_concurrent_clients(smollm2_model: Any, smol
     import threading
     import time
 
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
     from crest.serving.app import create_app
     from crest.serving.engine import Engine
     from tests.fix_serving import Running

@@ -121,7 +121,7 @@ def test_a_second_generator_loads_the_cached_calibration(home: Path, measured: l
 
 
 def test_no_calibration_when_nothing_is_drafted_or_the_size_is_fixed(home: Path, measured: list[str]) -> None:
-    from crest.drafters.protocol import NoneDrafter
+    from crest.decoding.drafter import NoneDrafter
 
     model = tiny_model("llama")
     SpeculativeGenerator(model, IdTokenizer()).generate([1, 2], max_new_tokens=3)

@@ -182,9 +182,9 @@ DOCS = [
 
 @pytest.mark.slow
 def test_rest_and_prompt_drafts_on_real_tokens(smollm2_gguf: Path) -> None:
+    from crest.decoding.tokenizer import load_tokenizer
     from crest.drafters.merged import MergedDrafter
     from crest.drafters.prompt import PromptDrafter
-    from crest.ingest.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_gguf)
     docs = [tok.encode(d) for d in DOCS]

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crest.decoding.tokenizer import Tokenizer, load_tokenizer
 from crest.errors import ConfigError, TokenizerError
 from crest.ingest.corpus import CorpusReport, StreamedDocument, iter_documents
-from crest.ingest.tokenizer import Tokenizer, load_tokenizer, tokenize_corpus
+from crest.ingest.tokenizer import tokenize_corpus
 from tests.fix_corpus import WORDS, make_word_tokenizer, write_jsonl
 
 pytest_plugins = ["tests.fix_corpus"]

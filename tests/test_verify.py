@@ -704,8 +704,8 @@ def test_greedy_with_a_real_store_and_the_adaptive_size_equals_generate_on_smoll
 ) -> None:
     """crest and crest+prompt over a real ingested store, sized per step, against model.generate."""
     from crest.decoding.sizing import CostModel
+    from crest.decoding.tokenizer import load_tokenizer
     from crest.drafters.registry import open_drafter
-    from crest.ingest.tokenizer import load_tokenizer
 
     model, tok = smollm2.model, smollm2.tokenizer
     fingerprint = load_tokenizer(smollm2.spec).fingerprint

@@ -42,8 +42,8 @@ from crest.bench.datastores import (
 from crest.bench.references import Reference, known_references, record_references
 from crest.bench.replay import replay
 from crest.config import KEEP_RULES, IngestOptions
+from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.decoding.sizing import calibrate
-from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import make_drafter, names
 from crest.errors import ConfigError, CorpusError
 
@@ -374,7 +374,7 @@ def run_accept(
     from crest.bench.report import compare, write_markdown, write_plots
     from crest.bench.results import started_at, versions
     from crest.decoding.models import load_model
-    from crest.ingest.tokenizer import Tokenizer
+    from crest.decoding.tokenizer import Tokenizer
 
     opts.validate()
     out.mkdir(parents=True, exist_ok=True)

@@ -138,9 +138,10 @@ def build_rest_indexes(
     corpus: Corpus, *, tokenizer: str, percents: Sequence[float], out: Path, seed: int, rebuild: bool, setting: str
 ) -> list[Variant]:
     """Build (or reuse) a REST index over a seeded random `percent` of the corpus documents, per percent."""
+    from crest.decoding.tokenizer import load_tokenizer
     from crest.drafters.suffix_array import RestIndex
     from crest.ingest.corpus import iter_documents
-    from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+    from crest.ingest.tokenizer import tokenize_corpus
 
     tok = load_tokenizer(resolve_model_spec(tokenizer))
     wanted = {p: out / f"rest_{setting}_p{_label(p)}" for p in percents}
@@ -194,8 +195,8 @@ def build_store(
     corpus: Corpus, *, name: str, tokenizer: str, dsn: str, options: IngestOptions, out: Path, rebuild: bool
 ) -> Variant:
     """Ingest (or reuse) the crest store `name` with `options`; return it with its table + index bytes."""
+    from crest.decoding.tokenizer import load_tokenizer
     from crest.ingest.pipeline import ingest
-    from crest.ingest.tokenizer import load_tokenizer
 
     manifest_path = out / "stores.json"
     manifest = _read_json(manifest_path) or {}

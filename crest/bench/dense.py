@@ -23,8 +23,8 @@ from crest_client.draft import Draft
 from crest.bench.generate import generate_plain
 from crest.bench.prompts import load_prompts
 from crest.bench.replay import replay
+from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import feed_hidden, final_hidden, wants_hidden
-from crest.drafters.protocol import Drafter
 from crest.drafters.registry import open_drafter
 
 DRAFTERS = ("crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt")
@@ -57,7 +57,7 @@ def compare(
 ) -> dict[str, Any]:
     """Return each drafter's replayed M on the prompts' greedy continuations, and the batched dense lookup time."""
     from crest.decoding.models import load_model
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
 
     loaded = load_model(model_spec)
     fingerprint = load_tokenizer(model_spec).fingerprint

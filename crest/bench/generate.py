@@ -67,8 +67,8 @@ def bench_generate(
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
+    from crest.decoding.tokenizer import Tokenizer
     from crest.drafters.registry import open_drafter
-    from crest.ingest.tokenizer import Tokenizer
 
     check_run(prompts, max_new_tokens=max_new_tokens)
     loaded = load_model(model, device=device, dtype=dtype)

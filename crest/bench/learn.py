@@ -38,11 +38,11 @@ from crest.bench.references import reference_key
 from crest.bench.replay import Replay, replay
 from crest.bench.stream import prepare_stream
 from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
+from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.decoding.policy import DraftPolicy
 from crest.decoding.sizing import CostModel
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.store import StoreDrafter
 from crest.errors import ConfigError
 from crest.learning.live import DEFAULT_MIN_COUNT

@@ -55,7 +55,7 @@ def lookup_text(
     timeout: float = LOOKUP_TIMEOUT,
 ) -> TextLookup:
     """Return the tree for the stored suffix of `text` that `rule` picks (tokenizer: the store's own unless given)."""
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
 
     check_store_name(store)
     with Store.connect(dsn, store, cache_size=0, timeout=timeout, connect_timeout=timeout, rule=rule) as handle:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from crest_client.draft import Draft, empty_draft
 
+from crest.decoding.drafter import Drafter
 from crest.decoding.policy import DraftPolicy, room_left
 from crest.decoding.tree import limit_depth
-from crest.drafters.protocol import Drafter
 from crest.drafters.trie import match_path
 
 

@@ -429,8 +429,8 @@ def _baseline(
 
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
+    from crest.decoding.tokenizer import Tokenizer
     from crest.drafters.registry import close_drafter, open_drafter
-    from crest.ingest.tokenizer import Tokenizer
 
     loaded = load_model(model, device=device, dtype=dtype)
     fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again

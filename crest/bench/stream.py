@@ -32,8 +32,8 @@ def prepare_stream(opts: Any, *, model: str, dsn: str) -> PreparedStream:
     from crest import db
     from crest.bench.prompts import load_prompts
     from crest.decoding.models import load_model
+    from crest.decoding.tokenizer import Tokenizer
     from crest.errors import FingerprintMismatch, StoreNotFound
-    from crest.ingest.tokenizer import Tokenizer
 
     prompts = load_prompts(opts.prompts, limit=opts.limit)
     if not prompts:

@@ -100,10 +100,10 @@ def run_generate(
     from crest.bench.prompts import read_prompts
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
+    from crest.decoding.tokenizer import Tokenizer
     from crest.drafters.registry import check_drafter, kind_of, open_drafter
     from crest.drafters.store import check_store
     from crest.errors import ConfigError
-    from crest.ingest.tokenizer import Tokenizer
 
     if (prompt is None) == (prompts_file is None):
         raise ConfigError("give a PROMPT or --prompts FILE (one of them)")

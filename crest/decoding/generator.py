@@ -26,6 +26,7 @@ import torch
 from crest_client.draft import Draft, empty_draft
 
 from crest.decoding.cache import compact_cache
+from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.decoding.hidden import feed_hidden, hidden_tap
 from crest.decoding.models import check_supported
 from crest.decoding.policy import DraftPolicy, room_left
@@ -39,7 +40,6 @@ from crest.decoding.sampling import (
 from crest.decoding.sizing import CostModel, calibrate
 from crest.decoding.text import TextTracker
 from crest.decoding.tree import additive_mask, tree_inputs, tree_mask
-from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)

@@ -164,7 +164,7 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (no downloads) and check the verifier supports it."""
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
 
     torch_dtype = resolve_dtype(dtype)
     dev = check_device(device)

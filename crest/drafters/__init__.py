@@ -1,9 +1,9 @@
 """Drafters: everything that proposes a token tree for the verifier, behind one protocol and one registry."""
 
+from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.drafters.dense import DenseDrafter
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.registry import NAMES, check_drafter, make_drafter, open_drafter
 from crest.drafters.store import PendingStore, StoreDrafter, open_store
 from crest.drafters.suffix_array import RestDrafter, RestIndex

@@ -21,10 +21,10 @@ import numpy as np
 from crest_client.draft import Draft
 from crest_client.order import order_small
 
+from crest.decoding.drafter import Drafter
 from crest.drafters.dense_index import DenseIndex, Neighbours
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.protocol import Drafter
 from crest.drafters.registry import Kind, register
 from crest.drafters.store import StoreDrafter
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from crest_client.draft import Draft
 from crest_client.tiers import LEARN_DECAY, LEARN_WINDOW, MAX_SCALE, MIN_SCALE, PartScales, merge_parts
 
-from crest.drafters.protocol import Drafter, drafted_parts
+from crest.decoding.drafter import Drafter, drafted_parts
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from crest_client.names import check_store_name
 
+from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.protocol import Drafter, NoneDrafter
 from crest.drafters.store import CONNECT_TIMEOUT, RETRY_INTERVAL, StoreDrafter, open_store
 from crest.drafters.suffix_array import RestDrafter, RestIndex, check_rest_index
 from crest.errors import ConfigError

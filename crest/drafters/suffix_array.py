@@ -313,8 +313,9 @@ class RestDrafter:
 
 def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: str) -> tuple[int, int]:
     """Tokenize a corpus and write its REST index to `out`; return (bytes, tokens)."""
+    from crest.decoding.tokenizer import load_tokenizer
     from crest.ingest.corpus import CorpusReport, iter_documents
-    from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+    from crest.ingest.tokenizer import tokenize_corpus
 
     if Path(out).exists() and not Path(out).is_dir():
         raise ConfigError(f"--out {out!r} exists and is not a directory")

@@ -118,7 +118,7 @@ def build_dense(
     started = time.perf_counter()
     loaded = load_model(options.model)
     model = loaded.model
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
 
     if load_tokenizer(options.model).fingerprint != fingerprint:
         raise TokenizerError(f"--dense-model {options.model!r} has another tokenizer than the store's")

@@ -24,6 +24,7 @@ from crest_client.embedded import crest_home
 
 from crest import db
 from crest.config import IngestOptions, fault_pause, resolve_model_spec
+from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import CorpusError
 from crest.ingest.corpus import CorpusReport, iter_documents
 from crest.ingest.loader import Reporter, RowLoader, RowReuse, SilentReporter
@@ -38,7 +39,7 @@ from crest.ingest.publishing import (
     publish_summary,
 )
 from crest.ingest.suffixes import resolve_build
-from crest.ingest.tokenizer import load_tokenizer, tokenize_corpus
+from crest.ingest.tokenizer import tokenize_corpus
 
 if TYPE_CHECKING:
     from crest.ingest.dense import DenseOptions  # imports torch: only a dense build loads it

@@ -21,8 +21,8 @@ from crest_client.codec import token_width
 
 from crest import db
 from crest.config import KEEP_RULES, IngestOptions, check_store_name
+from crest.decoding.tokenizer import Tokenizer
 from crest.errors import ConfigError
-from crest.ingest.tokenizer import Tokenizer
 
 # Corpus positions scanned at once when counting and finding occurrences (occurrences gathered at once: 4x, trie
 # batches: 1/4): peak memory follows this and the number of distinct n-grams, not the corpus size

@@ -30,6 +30,7 @@ from psycopg import sql
 
 from crest import db, errors
 from crest.config import IngestOptions, resolve_model_spec
+from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError, CorpusError, CrestError
 from crest.ingest.loader import Reporter, SilentReporter
 from crest.ingest.ngrams import unpack_keys
@@ -63,7 +64,6 @@ from crest.ingest.spark_tasks import (
     spaced_sample,
     split_by_bounds,
 )
-from crest.ingest.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pyspark import RDD

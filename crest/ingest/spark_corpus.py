@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from crest.decoding.tokenizer import Tokenizer, load_tokenizer
 from crest.errors import CorpusError
 from crest.ingest._files import FORMATS, CorpusReport, Sizes, detect, expand
 from crest.ingest._records import turn_texts
 from crest.ingest.corpus import file_documents
-from crest.ingest.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from pyspark import RDD

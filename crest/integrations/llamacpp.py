@@ -119,7 +119,7 @@ def encode_cache(counts: NgramCounts) -> bytes:
 
 def check_gguf(gguf: str | Path, info: StoreInfo) -> None:
     """Raise FingerprintMismatch unless the GGUF's tokenizer is the one the store was built with."""
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
 
     path = Path(gguf).expanduser()
     if path.suffix.lower() != ".gguf" or not path.is_file():

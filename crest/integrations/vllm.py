@@ -350,7 +350,7 @@ def _vocab_size(vllm_config: Any) -> int | None:
 
 def _fingerprint(vllm_config: Any) -> str | None:
     """Return the fingerprint of the served model's tokenizer, so a store built with another one is refused."""
-    from crest.ingest.tokenizer import load_tokenizer
+    from crest.decoding.tokenizer import load_tokenizer
 
     path = getattr(vllm_config.model_config, "tokenizer", None) or vllm_config.model_config.model
     try:

@@ -21,7 +21,7 @@ from crest_client.draft import Draft
 from crest_client.learner import Learner
 
 from crest.config import IngestOptions
-from crest.drafters.protocol import drafted_parts
+from crest.decoding.drafter import drafted_parts
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from crest import db
+from crest.decoding.tokenizer import Tokenizer, load_tokenizer
 from crest.errors import CorpusError, StoreNotFound, TokenizerError
-from crest.ingest.tokenizer import Tokenizer, load_tokenizer
 from crest.learning.journal import append_learned
 from crest.learning.live import published_version
 

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from crest_client.draft import Draft, empty_draft
 
+from crest.decoding.drafter import Drafter
 from crest.decoding.generator import DecodeState, GenerationResult, SpeculativeGenerator
 from crest.decoding.hidden import bind_drafter, feed_hidden, model_tap, wants_hidden
 from crest.decoding.sampling import accept_greedy, children_of
 from crest.decoding.sizing import CostModel
 from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.drafters.lease import StoreLease, prefetch
-from crest.drafters.protocol import Drafter
 from crest.errors import CrestError
 from crest.learning.requests import tally_parts
 from crest.serving.batch import BatchCache, TreeRow

@@ -53,7 +53,7 @@ def build_app(options: ServeOptions, *, on_progress: Callable[[str], None] | Non
     """Return the FastAPI app serving `options` (its engine started on the first request's lifespan)."""
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
-    from crest.ingest.tokenizer import Tokenizer
+    from crest.decoding.tokenizer import Tokenizer
     from crest.serving.app import create_app
     from crest.serving.batch import check_batchable
     from crest.serving.engine import Engine
