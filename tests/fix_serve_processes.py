@@ -1,8 +1,8 @@
 """`crest serve` as real subprocesses: `tiny_serve_dir` (a fixture) is a directory holding a tiny random llama over
 the SmolLM2 vocabulary and the SmolLM2 tokenizer, what `crest serve --model DIR` loads; `serve_processes` starts
-several servers at once (each a `crest.bench.serve.ServerProcess`: a free port, waited for on /health) and stops
-them with SIGTERM; `refresh_counts` reads a server's live-refresh counters from its /metrics. Load it as a plugin
-(`pytest_plugins`, with `tests.fix_corpus` for the tokenizer) for the fixture.
+several servers at once (each a `crest.bench.server_process.ServerProcess`: a free port, waited for on /health)
+and stops them with SIGTERM; `refresh_counts` reads a server's live-refresh counters from its /metrics. Load it as
+a plugin (`pytest_plugins`, with `tests.fix_corpus` for the tokenizer) for the fixture.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from crest.bench.serve import ServerProcess
+from crest.bench.server_process import ServerProcess
 from tests.fix_models import tiny_model
 
 START_TIMEOUT = 300.0  # seconds for a server to answer /health: two start at once on 2 busy cores

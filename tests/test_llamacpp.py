@@ -168,7 +168,7 @@ class LlamaServer:
     """llama-server on a GGUF at a free port, started with `args`, stopped on exit."""
 
     def __init__(self, binary: Path, gguf: Path, log: Path, *args: str) -> None:
-        from crest.bench.serve import free_port
+        from crest.bench.server_process import free_port
 
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]

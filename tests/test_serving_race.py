@@ -26,7 +26,7 @@ import psycopg
 import pytest
 
 from crest import db
-from crest.bench.serve import ServerProcess
+from crest.bench.server_process import ServerProcess
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
 from tests.fix_serve_processes import refresh_counts, serve_processes

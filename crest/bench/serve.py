@@ -6,17 +6,13 @@ wall time, time to first token (the first chunk with text), inter-token latency 
 first chunk) / (tokens - 1), as vLLM's TPOT), the gaps between streamed chunks (a chunk carries all the
 tokens one step accepted), the mean accepted length (completion tokens per target forward, from the usage's
 `crest.forward_passes`) and errors. `bench_baseline` runs the same prompts through the library generator one
-by one (as `crest generate` does): the batch-1 baseline. `ServerProcess` starts `crest serve` on a free port
-when no URL is given, waits for `/health` and stops it with SIGTERM. The targets and the plot are in
-`crest.bench.serve_report`.
+by one (as `crest generate` does): the batch-1 baseline. When no URL is given, `crest serve` is started on a
+free port (`crest.bench.server_process`). The targets and the plot are in `crest.bench.serve_report`.
 """
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from crest.bench.server_process import ServerProcess
 from crest.errors import ConfigError, CrestError
-
-SERVER_START_TIMEOUT = 900.0  # seconds: loading the model and a first calibration of its cost model
 
 
 @dataclass
@@ -254,62 +249,6 @@ def compare_to_none(rows: list[ServeFigures], texts: dict[tuple[str, str, int], 
         mine, ref = texts.get((row.mode, row.drafter, row.concurrency)), texts.get((row.mode, "none", row.concurrency))
         if mine is not None and ref is not None:
             row.same_text_as_none = sum(a is not None and a == b for a, b in zip(mine, ref, strict=True))
-
-
-def free_port() -> int:
-    """Return a TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`crest serve` in a subprocess on a free port: started, waited for (/health), stopped with SIGTERM."""
-
-    def __init__(self, args: Sequence[str], *, timeout: float = SERVER_START_TIMEOUT) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.timeout = timeout
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115  (the server's stderr, closed in __exit__)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.exit_code: int | None = None
-
-    def __enter__(self) -> ServerProcess:
-        import httpx
-
-        command = [sys.executable, "-m", "crest.cli", *self.args]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)  # stdout: access log
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                why = "exited" if self.proc.poll() is not None else f"gave no /health within {self.timeout:.0f} s"
-                tail = self.tail()
-                self.__exit__()
-                raise CrestError(f"crest serve {why}: {tail}")
-            time.sleep(0.2)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: drain, then exit 0
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.exit_code = self.proc.returncode if self.proc is not None else None
-        self.log.close()
-
-    def tail(self) -> str:
-        """Return the last lines of the server's stderr, as one line."""
-        self.log.seek(0)
-        lines = [x.strip() for x in self.log.read().decode("utf-8", "replace").splitlines() if x.strip()]
-        return " | ".join(lines[-3:]) or "no output"
 
 
 def run_levels(
