@@ -126,6 +126,19 @@ def test_expected_rule_prefers_a_rich_shorter_suffix_over_a_thin_longer_one(db_d
             assert draft is not None and int(draft.tokens[0]) == first, rule
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["draft", "draft_many"])
+def test_the_live_tier_drafts_from_its_longest_suffix_whatever_the_rule(db_dsn: str, batch: bool) -> None:
+    thin = chain_tree(900, 3)  # what was served lately: a few occurrences of the exact context
+    rich = encode_tree(np.array([50, 51]), np.array([-1, 0], dtype=np.int32), np.array([7, 7]), vocab_size=VOCAB)
+    publish(db_dsn, "demo", {(4, 5): rich, (3, 4, 5): thin})
+    publish(db_dsn, "demo", {(4, 5): rich, (3, 4, 5): thin}, tier="live")
+    with Store.connect(db_dsn, "demo", timeout=2.0, rule="expected") as handle:
+        parts = handle.draft_many_parts([[3, 4, 5]])[0] if batch else handle.draft_parts([3, 4, 5])
+        static, live = parts
+        assert static is not None and live is not None
+        assert (int(static.tokens[0]), int(live.tokens[0])) == (50, 900)  # static: the rule; live: the longest
+
+
 def test_unknown_suffix_rule_is_a_clear_error(db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     publish(db_dsn, "demo", ROWS)
     monkeypatch.setenv("CREST_SUFFIX_RULE", "shortest")

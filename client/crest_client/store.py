@@ -222,7 +222,14 @@ class Store:
         return out
 
     def _every(self, info: StoreInfo) -> bool:
-        """Return whether a lookup of this version fetches every stored suffix (the `expected` rule's choice)."""
+        """Return whether a lookup of this version fetches every stored suffix (the `expected` rule's choice).
+
+        A live tier always drafts from its longest stored suffix: its trees come from what was served lately, a
+        few occurrences each, which the `expected` rule's prior (pseudo-occurrences tuned on corpora) passes over
+        for short common suffixes; on prompts served again that halved what it drafts (docs/learning.md).
+        """
+        if info.tier != "static":
+            return False
         return self.rule != "longest" and info.params.get("suffix_rule", "lookup") == "lookup"
 
     def _fetch(
