@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -51,10 +51,6 @@ class Reuse(RowReuse, Protocol):
     """Supplies rows of a previous version that need no rebuilding, and records how the version was built."""
 
     decided: set[bytes]  # keys of the rows it copied, whose trees the previous version's suffix rule decided
-
-    def drop(self, keys: Collection[bytes]) -> None:
-        """Forget copied rows that the suffix rule then deleted."""
-        ...
 
     def record(self, build: db.Build, summary: IngestSummary) -> None:
         """Record in the build's params how it was built (before it is published)."""
@@ -193,8 +189,6 @@ def build_store(
         if resolved is not None:
             loader.nodes, loader.blob_bytes = resolved.nodes, resolved.blob_bytes
             loader.drop(resolved.dropped)  # the key filter and the figures count the rows left only
-            if reuse is not None:
-                reuse.drop(resolved.dropped)
         build.write_store_data(loader.table.to_bytes(), loader.key_filter().to_bytes())
         rep.done("build trees + load")
         seconds["trees_load"] = time.perf_counter() - t0

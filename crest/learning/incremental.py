@@ -10,15 +10,14 @@ that occurs in none of them, was loaded by the previous live version with the sa
 row: `PreviousRows` copies it in SQL; every other n-gram is built as a full rebuild builds it, so the result
 equals a full rebuild of the same window row for row. `plan` falls back to a full rebuild when there is no
 previous live version, it was built from another static version or with other options, rows were committed
-late inside its window (ids are not commit order), or more than `MAX_CHANGED` of the window changed. With
-`--suffix-rule prune` only the rows the previous version kept can be copied; the rule then decides on every row.
+late inside its window (ids are not commit order), or more than `MAX_CHANGED` of the window changed. A live tier
+is never pruned (`crest.learning.live.live_suffix_rule`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,8 +162,7 @@ class PreviousRows:
         self.reason = plan.reason
         self.width = token_width(vocab_size)
         self.max_matches = options.max_matches
-        # a backoff row's tree depends on its suffixes' rows too; prune decides on every row after the copy
-        self.backoff = options.suffix_rule == "backoff"
+        self.backoff = options.suffix_rule == "backoff"  # a row's tree depends on its suffixes' rows too
         self.reused = 0
         self.decided: set[bytes] = set()  # keys of the copied rows (their trees decided by the previous version)
         self._keys: dict[tuple[int, int], np.ndarray] = {}  # (version, n) -> its stored keys of length n
@@ -211,12 +209,6 @@ class PreviousRows:
             done[wanted] = np.isin(keys[wanted], copied)
         self.reused += len(rows)
         return done, sum(int(r[2]) for r in rows), sum(int(r[1]) for r in rows)
-
-    def drop(self, keys: Collection[bytes]) -> None:
-        """Forget copied rows that the suffix rule then deleted (`prune`: a suffix's row changed)."""
-        gone = self.decided.intersection(keys)
-        self.decided -= gone
-        self.reused -= len(gone)
 
     def _stored(self, build: db.Build, version: int, n: int) -> np.ndarray:
         """Return the keys of length-n rows of a version (the new one's lengths below the one copied are complete)."""

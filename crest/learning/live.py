@@ -139,7 +139,8 @@ def _refresh(
         size=int(static["vocab_size"]),
         pieces=lambda: pieces,
     )
-    options = dataclasses.replace(static_options(static["params"]), top_t=max_ngrams, budget=None)
+    built = static_options(static["params"])
+    options = dataclasses.replace(built, top_t=max_ngrams, budget=None, suffix_rule=live_suffix_rule(built.suffix_rule))
     how = plan(learned, live, static_id=int(static["id"]), options=options, incremental=incremental)
     reuse = PreviousRows(how, vocab_size=vocab_size, options=options)
     params = {
@@ -200,6 +201,15 @@ def published_version(conn: psycopg.Connection[Any], store: str, tier: str) -> d
     if row is None:
         return None
     return dict(zip([c.name for c in cur.description or []], row, strict=True))
+
+
+def live_suffix_rule(static_rule: str) -> str:
+    """Return the suffix rule a live version is built with: its static version's, but never `prune`.
+
+    The live tier is read by its longest stored suffix (`crest_client.store`); pruning by the `expected` rule's
+    choice would drop exactly the long, fresh rows it drafts from, so a pruned static store gets an unpruned live tier.
+    """
+    return "lookup" if static_rule == "prune" else static_rule
 
 
 def static_options(params: dict[str, Any]) -> IngestOptions:
