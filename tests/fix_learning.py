@@ -49,8 +49,9 @@ def start_paused_refresh(dsn: str, home: Path, stage: str) -> subprocess.Popen[s
     assert stderr is not None
 
     def pump() -> None:
-        for line in stderr:
-            lines.put(line)
+        with stderr:  # closed once the process is gone (killed by the test)
+            for line in stderr:
+                lines.put(line)
 
     threading.Thread(target=pump, daemon=True).start()
     deadline, said = time.monotonic() + 120, []

@@ -132,6 +132,7 @@ model(torch.tensor([[1, 2, 3]]), past_key_values=transformers.DynamicCache(), us
 """
 
 
+@pytest.mark.slow  # two subprocesses, each importing torch and transformers
 def test_model_calls_print_no_cache_deprecation_warning() -> None:
     """transformers 5 warns on each forward given `past_key_values`: crest's model calls (generate, serve) do not."""
 
@@ -337,11 +338,11 @@ def test_a_reader_that_goes_away_is_exit_0(db_dsn: str, tmp_path: Path) -> None:
     many = tmp_path / "many.sql"
     many.write_text("-- Many rows.\nSELECT i FROM generate_series(1, 200000) AS i\n")  # far more than a pipe holds
     args = [sys.executable, "-m", "crest.cli", "db", "query", str(many), "--json", "--dsn", db_dsn]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    assert json.loads(proc.stdout.readline()) == {"i": 1}
-    proc.stdout.close()
-    assert (proc.wait(120), proc.stderr.read()) == (0, "")
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:  # closes both
+        assert proc.stdout is not None and proc.stderr is not None
+        assert json.loads(proc.stdout.readline()) == {"i": 1}
+        proc.stdout.close()
+        assert (proc.wait(120), proc.stderr.read()) == (0, "")
 
 
 def test_server_stop_says_nothing_on_stderr_without_xdg_runtime_dir(tmp_path: Path) -> None:

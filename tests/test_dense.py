@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -23,7 +24,7 @@ from crest.decoding.generator import SpeculativeGenerator
 from crest.decoding.hidden import model_fingerprint
 from crest.drafters.dense import DenseDrafter, neighbour_draft
 from crest.drafters.dense_index import DenseIndex, open_dense
-from crest.drafters.registry import make_drafter, open_drafter
+from crest.drafters.registry import close_drafter, make_drafter, open_drafter
 from crest.errors import ConfigError, ModelError
 from crest.ingest.dense import DenseOptions, sample_positions
 from crest.ingest.pipeline import ingest
@@ -155,24 +156,31 @@ def test_greedy_output_is_exact_with_every_dense_drafter(db_dsn: str, dense_stor
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False, max_draft_tokens=24)
     drafter = open_drafter(name, store="words", dsn=db_dsn)
     drafted = accepted = 0
-    for prompt in [*PROMPTS, "w2 w9 w9 w4 w0"]:
-        ids = loaded.tokenizer(prompt)["input_ids"]
-        plain = gen.generate(ids, max_new_tokens=30)
-        spec = gen.generate(ids, drafter=drafter, max_new_tokens=30)
-        assert spec.output_token_ids == plain.output_token_ids, (name, prompt)
-        drafted += spec.draft_tokens
-        accepted += spec.new_tokens - spec.forward_passes
+    try:
+        for prompt in [*PROMPTS, "w2 w9 w9 w4 w0"]:
+            ids = loaded.tokenizer(prompt)["input_ids"]
+            plain = gen.generate(ids, max_new_tokens=30)
+            spec = gen.generate(ids, drafter=drafter, max_new_tokens=30)
+            assert spec.output_token_ids == plain.output_token_ids, (name, prompt)
+            drafted += spec.draft_tokens
+            accepted += spec.new_tokens - spec.forward_passes
+    finally:
+        close_drafter(drafter)
     assert drafted > 0 and accepted > 30  # the model's own continuations are found and accepted
 
 
 def test_dense_alone_drafts_its_model_outputs(db_dsn: str, dense_store: Any, loaded: Any) -> None:
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False, max_draft_tokens=24)
-    drafter = make_drafter("dense", dense_index=open_dense("words", dsn=db_dsn))
+    index = open_dense("words", dsn=db_dsn)
+    drafter = make_drafter("dense", dense_index=index)
     ids = loaded.tokenizer(PROMPTS[0])["input_ids"]
-    result = gen.generate(ids, drafter=drafter, max_new_tokens=30)
-    assert result.mean_accepted_length > 2.0  # the corpus holds this very continuation
-    parts = drafter.drafted_parts(drafter.draft([0], 4), context_length=1)
-    assert parts == {}  # no hidden state for that context: no draft, no part
+    try:
+        result = gen.generate(ids, drafter=drafter, max_new_tokens=30)
+        assert result.mean_accepted_length > 2.0  # the corpus holds this very continuation
+        parts = drafter.drafted_parts(drafter.draft([0], 4), context_length=1)
+        assert parts == {}  # no hidden state for that context: no draft, no part
+    finally:
+        index.close()
 
 
 def test_another_model_than_the_dense_parts_is_a_clear_error(
@@ -183,14 +191,19 @@ def test_another_model_than_the_dense_parts_is_a_clear_error(
     other = load_model(str(_save_tiny(tmp_path / "other", seed=4)))
     gen = SpeculativeGenerator(other.model, other.tokenizer, adaptive=False)
     drafter = open_drafter("crest+dense+prompt", store="words", dsn=db_dsn)
-    with pytest.raises(ModelError, match="dense part was built with model"):
-        gen.generate([2, 3, 4], drafter=drafter, max_new_tokens=4)
+    try:
+        with pytest.raises(ModelError, match="dense part was built with model"):
+            gen.generate([2, 3, 4], drafter=drafter, max_new_tokens=4)
+    finally:
+        close_drafter(drafter)
 
 
 def test_a_store_without_a_dense_part_is_a_clear_error(db_dsn: str, corpus: Path, tiny_dir: Path) -> None:
     ingest([str(corpus)], store="plain", tokenizer=str(tiny_dir), dsn=db_dsn, options=OPTIONS)
-    with pytest.raises(ConfigError, match="has no dense part"):
-        open_drafter("dense", store="plain", dsn=db_dsn)
+    for name in ("dense", "crest+dense"):  # crest+dense opens the store first: it is closed again
+        with pytest.raises(ConfigError, match="has no dense part"):
+            open_drafter(name, store="plain", dsn=db_dsn)
+    gc.collect()  # a store or connection left open would warn here: an error in this suite
 
 
 def test_database_down_means_no_drafts_and_no_error(db_dsn: str, dense_store: Any, loaded: Any) -> None:
@@ -258,7 +271,8 @@ def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or ()], daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or ()], daemon=True)
+    reader.start()
     said: list[str] = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "crest-fault-pause dense\n" not in said and proc.poll() is None:
@@ -266,6 +280,8 @@ def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
             said.append(lines.get(timeout=0.5))
     proc.kill()
     proc.wait()
+    reader.join(30)  # the pipe ends with the process
+    proc.stderr.close()
     assert "crest-fault-pause dense\n" in said, "".join(said)[-2000:]
     _wait_unlocked(db_dsn)
     with psycopg.connect(db_dsn, autocommit=True) as conn:

@@ -341,6 +341,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path: Path, signame: str, code: i
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.wait(60)
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 def test_database_down_at_start_then_back_then_down(

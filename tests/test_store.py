@@ -4,10 +4,12 @@ opening a store while the database is down (a closed port in front of the real s
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +29,7 @@ from crest_client.codec import encode_tree
 from crest_client.keyfilter import KeyFilter
 
 from crest import db
-from crest.drafters.registry import open_drafter
+from crest.drafters.registry import close_drafter, open_drafter
 from tests.fix_store import ROWS, VOCAB, chain_tree, ngram_key, publish
 
 
@@ -215,6 +217,36 @@ def test_wrong_fingerprint_is_a_clear_error(db_dsn: str) -> None:
     publish(db_dsn, "demo", ROWS)
     with pytest.raises(FingerprintMismatch, match="another tokenizer"):
         Store.connect(db_dsn, "demo", tokenizer_fingerprint="fp-other")
+
+
+def test_a_store_left_open_warns_and_a_closed_one_does_not(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Store.connect(db_dsn, "demo", timeout=2.0).close()
+        with Store.connect(db_dsn, "demo", timeout=2.0) as handle:
+            assert handle.draft([3, 4, 5]) is not None
+        with pytest.raises(StoreNotFound):
+            Store.connect(db_dsn, "nope")  # a failed connect closes the pool it opened
+        del handle
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    leaked = Store.connect(db_dsn, "demo", timeout=2.0)
+    pool = leaked._conns.pool
+    try:
+        with pytest.warns(ResourceWarning, match="crest store 'demo' was never closed"):
+            del leaked
+            gc.collect()
+    finally:
+        pool.close()
+
+
+def test_the_suite_fails_on_a_leaked_store_or_connection() -> None:
+    """pyproject's filterwarnings: a ResourceWarning, and one raised in __del__ (unraisable), fail the test."""
+    with pytest.raises(ResourceWarning):
+        warnings.warn("a connection left open", ResourceWarning, stacklevel=1)
+    with pytest.raises(pytest.PytestUnraisableExceptionWarning):  # how pytest reports a warning raised in __del__
+        warnings.warn(pytest.PytestUnraisableExceptionWarning("Exception ignored in: <Store>"), stacklevel=1)
 
 
 def test_unknown_store_and_bad_name(db_dsn: str) -> None:
@@ -429,7 +461,7 @@ def test_connect_to_a_down_database_fails_at_once_with_the_reason(gate: Gate, ca
 
 @pytest.mark.parametrize("name", ["crest", "crest+prompt"])
 def test_store_drafter_opened_while_the_database_is_down_drafts_once_it_is_back(
-    gate: Gate, db_dsn: str, name: str, caplog: pytest.LogCaptureFixture
+    gate: Gate, db_dsn: str, name: str, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
 ) -> None:
     with Store.connect(db_dsn, "demo", timeout=2.0) as direct:
         want = direct.draft([3, 4, 5], max_nodes=8)
@@ -437,6 +469,7 @@ def test_store_drafter_opened_while_the_database_is_down_drafts_once_it_is_back(
     caplog.set_level(logging.INFO)
     t0 = time.monotonic()
     drafter = open_drafter(name, store="demo", dsn=gate.dsn, fingerprint="fp-a", retry_interval=0.05)
+    request.addfinalizer(lambda: close_drafter(drafter))
     assert time.monotonic() - t0 < 1.0, "opening with the database down delayed generation"
     for _ in range(20):  # a step never waits for the database
         t0 = time.monotonic()

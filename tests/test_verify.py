@@ -705,7 +705,7 @@ def test_greedy_with_a_real_store_and_the_adaptive_size_equals_generate_on_smoll
     """crest and crest+prompt over a real ingested store, sized per step, against model.generate."""
     from crest.decoding.sizing import CostModel
     from crest.decoding.tokenizer import load_tokenizer
-    from crest.drafters.registry import open_drafter
+    from crest.drafters.registry import close_drafter, open_drafter
 
     model, tok = smollm2.model, smollm2.tokenizer
     fingerprint = load_tokenizer(smollm2.spec).fingerprint
@@ -721,12 +721,15 @@ def test_greedy_with_a_real_store_and_the_adaptive_size_equals_generate_on_smoll
         gen = SpeculativeGenerator(model, tok, cost=cost)  # max_draft_tokens=None: the adaptive size
         assert gen.adaptive
         forwards = tokens = drafted = 0
-        for ids, want in wants:
-            got = gen.generate(ids, drafter=drafter, max_new_tokens=32)
-            assert_same_greedy(model, ids, got.output_token_ids, want)
-            forwards, tokens, drafted = (
-                forwards + got.forward_passes,
-                tokens + got.new_tokens,
-                drafted + got.draft_tokens,
-            )
+        try:
+            for ids, want in wants:
+                got = gen.generate(ids, drafter=drafter, max_new_tokens=32)
+                assert_same_greedy(model, ids, got.output_token_ids, want)
+                forwards, tokens, drafted = (
+                    forwards + got.forward_passes,
+                    tokens + got.new_tokens,
+                    drafted + got.draft_tokens,
+                )
+        finally:
+            close_drafter(drafter)
         assert drafted > 0 and forwards < tokens, f"{name}: {drafted} nodes verified, {tokens} tokens in {forwards}"

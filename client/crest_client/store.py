@@ -19,6 +19,7 @@ import functools
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -320,6 +321,18 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # A handle dropped while open keeps its pool's connections and threads until the pool is collected: say so,
+        # as psycopg does for a connection (the pool's own connections never warn).
+        conns = getattr(self, "_conns", None)
+        if conns is not None and not conns.pool.closed:
+            warnings.warn(
+                f"crest store {self.name!r} was never closed: use `with Store.connect(...)` or call close()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
 
     def _to_drafts(self, rows: list[tuple[int, bytes]], info: StoreInfo) -> list[Draft | None]:
         """Decode many (n, tree) rows at once (a corrupt tree is a miss, counted and logged once)."""

@@ -25,7 +25,7 @@ from crest.bench.prompts import load_prompts
 from crest.bench.replay import replay
 from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import feed_hidden, final_hidden, wants_hidden
-from crest.drafters.registry import open_drafter
+from crest.drafters.registry import close_drafter, open_drafter
 
 DRAFTERS = ("crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt")
 
@@ -65,10 +65,28 @@ def compare(
         name: open_drafter(name, store=store, dsn=dsn, fingerprint=fingerprint, connect_timeout=10.0)
         for name in drafters
     }
+    try:
+        sizes = {"limit": limit, "max_new_tokens": max_new_tokens, "max_nodes": max_nodes, "batch": batch}
+        return _measure(opened, loaded, prompts=prompts, **sizes)
+    finally:
+        for drafter in opened.values():
+            close_drafter(drafter)
+
+
+def _measure(
+    opened: dict[str, Drafter],
+    loaded: Any,
+    *,
+    prompts: str,
+    limit: int,
+    max_new_tokens: int,
+    max_nodes: int,
+    batch: int,
+) -> dict[str, Any]:
     for drafter in opened.values():
         if wants_hidden(drafter):
             drafter.bind_model(loaded.model)  # type: ignore[attr-defined]
-    totals = {name: [0, 0] for name in drafters}  # new tokens, steps
+    totals = {name: [0, 0] for name in opened}  # new tokens, steps
     states: list[np.ndarray] = []
     for text in load_prompts(prompts, limit=limit):
         prompt = list(loaded.tokenizer(text)["input_ids"])

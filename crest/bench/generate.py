@@ -68,7 +68,7 @@ def bench_generate(
     from crest.decoding.models import load_model
     from crest.decoding.sizing import calibrate
     from crest.decoding.tokenizer import Tokenizer
-    from crest.drafters.registry import open_drafter
+    from crest.drafters.registry import close_drafter, open_drafter
 
     check_run(prompts, max_new_tokens=max_new_tokens)
     loaded = load_model(model, device=device, dtype=dtype)
@@ -94,16 +94,20 @@ def bench_generate(
             records.write(json.dumps(line) + "\n")
             records.flush()
 
-    for index, text in enumerate(prompts):
-        ids = loaded.encode_prompt(text, chat=chat)
-        base = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=max_new_tokens)
-        base_seconds = base.new_tokens / max(base.tokens_per_second, 1e-9)
-        record(index, "generate", base.new_tokens, base_seconds, base.new_tokens, 0.0, True)
-        for name, source in sources.items():
-            result = gens[name].generate(ids, drafter=source, max_new_tokens=max_new_tokens)
-            exact = result.output_token_ids == base.output_token_ids
-            seconds = result.new_tokens / max(result.tokens_per_second, 1e-9)
-            record(index, name, result.new_tokens, seconds, result.forward_passes, result.draft_seconds, exact)
+    try:
+        for index, text in enumerate(prompts):
+            ids = loaded.encode_prompt(text, chat=chat)
+            base = generate_plain(loaded.model, loaded.tokenizer, ids, max_new_tokens=max_new_tokens)
+            base_seconds = base.new_tokens / max(base.tokens_per_second, 1e-9)
+            record(index, "generate", base.new_tokens, base_seconds, base.new_tokens, 0.0, True)
+            for name, source in sources.items():
+                result = gens[name].generate(ids, drafter=source, max_new_tokens=max_new_tokens)
+                exact = result.output_token_ids == base.output_token_ids
+                seconds = result.new_tokens / max(result.tokens_per_second, 1e-9)
+                record(index, name, result.new_tokens, seconds, result.forward_passes, result.draft_seconds, exact)
+    finally:
+        for source in sources.values():
+            close_drafter(source)
     return summarize_records(done)
 
 

@@ -101,7 +101,7 @@ def run_generate(
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
     from crest.decoding.tokenizer import Tokenizer
-    from crest.drafters.registry import check_drafter, kind_of, open_drafter
+    from crest.drafters.registry import check_drafter, close_drafter, kind_of, open_drafter
     from crest.drafters.store import check_store
     from crest.errors import ConfigError
 
@@ -118,28 +118,31 @@ def run_generate(
     fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
     draft_source = open_drafter(name, store=store, rest_index=rest_index, dsn=read_dsn or dsn, fingerprint=fingerprint)
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens, on_progress=_note)
-    for text in texts:
-        ids = loaded.encode_prompt(text, chat=chat)
-        result = gen.generate(
-            ids,
-            drafter=draft_source,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            on_text=None if as_json else _write_now,
-        )
-        if as_json:
-            payload = result.to_json()
-            payload.pop("accepted_per_step", None)
-            print(json.dumps(payload), flush=True)
-        else:
-            _note(
-                f"\n-- {result.new_tokens} tokens, {result.forward_passes} forwards, "
-                f"M = {result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s"
+    try:
+        for text in texts:
+            ids = loaded.encode_prompt(text, chat=chat)
+            result = gen.generate(
+                ids,
+                drafter=draft_source,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                on_text=None if as_json else _write_now,
             )
+            if as_json:
+                payload = result.to_json()
+                payload.pop("accepted_per_step", None)
+                print(json.dumps(payload), flush=True)
+            else:
+                _note(
+                    f"\n-- {result.new_tokens} tokens, {result.forward_passes} forwards, "
+                    f"M = {result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s"
+                )
+    finally:
+        close_drafter(draft_source)
 
 
 def _migrate_if_reachable(dsn: str | None) -> None:

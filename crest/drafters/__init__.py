@@ -4,7 +4,7 @@ from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.drafters.dense import DenseDrafter
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.registry import NAMES, check_drafter, make_drafter, open_drafter
+from crest.drafters.registry import NAMES, check_drafter, close_drafter, make_drafter, open_drafter
 from crest.drafters.store import PendingStore, StoreDrafter, open_store
 from crest.drafters.suffix_array import RestDrafter, RestIndex
 from crest.drafters.trie import build_draft, match_path, merge_drafts, score_draft
@@ -22,6 +22,7 @@ __all__ = [
     "StoreDrafter",
     "build_draft",
     "check_drafter",
+    "close_drafter",
     "make_drafter",
     "match_path",
     "merge_drafts",

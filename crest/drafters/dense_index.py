@@ -83,6 +83,9 @@ class DenseIndex:
             self._connect()
         except ConnectionUnavailable as exc:
             self._lost(exc)
+        except BaseException:
+            self.close()  # a missing store or dense part raises: the connection it was read through goes too
+            raise
         return self
 
     def close(self) -> None:

@@ -5,13 +5,15 @@ Each name is a `Kind`: the parts it is built on (nothing, a store, or a REST ind
 `check_drafter` checks a name, where it runs and the names of its parts without opening anything, so a command
 can refuse bad options before it loads a model; `make_drafter` builds a drafter on parts already open (a
 benchmark's store handles, a server's per-row store lease); `open_drafter` opens the parts first (a store
-through the SDK, which drafts nothing while the database is down, or a REST index from disk). Every command,
-benchmark, the server and the vLLM proposer go through here, so a new drafter is one `register` call; the
-parts a drafter reports for learning's statistics come from the drafter itself (`drafted_parts`).
+through the SDK, which drafts nothing while the database is down, or a REST index from disk) and `close_drafter`
+closes what it opened. Every command, benchmark, the server and the vLLM proposer go through here, so a new
+drafter is one `register` call; the parts a drafter reports for learning's statistics come from the drafter
+itself (`drafted_parts`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,9 @@ NEEDS = {  # what each part is, as an option that gives it
 }
 
 _KINDS: dict[str, Kind] = {}
+# drafter -> the parts open_drafter opened for it (its owner closes them with close_drafter); a drafter built on
+# parts its caller opened (make_drafter) is not here: closing those is the caller's
+_OPENED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def register(kind: Kind) -> None:
@@ -155,19 +160,47 @@ def open_drafter(
     key = check_drafter(name, store=store, rest_index=rest_index)
     kind = _KINDS[key]
     parts: dict[str, Any] = {}
-    if "store" in kind.needs:
-        parts["store"] = open_store(
-            str(store), dsn=dsn, fingerprint=fingerprint, connect_timeout=connect_timeout, retry_interval=retry_interval
-        )
-    if "rest_index" in kind.needs:
-        parts["rest_index"] = RestIndex.load(str(rest_index))
-    if "dense_index" in kind.needs:
-        from crest.drafters.dense_index import open_dense  # its kinds register from crest.drafters.dense
+    opened: list[Any] = []  # what holds connections: closed by close_drafter, or here when a later part fails
+    try:
+        if "store" in kind.needs:
+            parts["store"] = open_store(
+                str(store),
+                dsn=dsn,
+                fingerprint=fingerprint,
+                connect_timeout=connect_timeout,
+                retry_interval=retry_interval,
+            )
+            opened.append(parts["store"])
+        if "rest_index" in kind.needs:
+            parts["rest_index"] = RestIndex.load(str(rest_index))
+        if "dense_index" in kind.needs:
+            from crest.drafters.dense_index import open_dense  # its kinds register from crest.drafters.dense
 
-        parts["dense_index"] = open_dense(
-            str(store), dsn=dsn, fingerprint=fingerprint, connect_timeout=connect_timeout, retry_interval=retry_interval
-        )
-    return kind.build(parts)
+            parts["dense_index"] = open_dense(
+                str(store),
+                dsn=dsn,
+                fingerprint=fingerprint,
+                connect_timeout=connect_timeout,
+                retry_interval=retry_interval,
+            )
+            opened.append(parts["dense_index"])
+        drafter = kind.build(parts)
+    except BaseException:
+        _close_all(opened)
+        raise
+    if opened:
+        _OPENED[drafter] = opened
+    return drafter
+
+
+def close_drafter(drafter: Drafter) -> None:
+    """Close the store and dense part that `open_drafter` opened for `drafter` (a no-op for any other drafter)."""
+    _close_all(_OPENED.pop(drafter, []))
+
+
+def _close_all(parts: list[Any]) -> None:
+    for part in reversed(parts):
+        part.close()
 
 
 def _kind(name: str, where: str | None = None) -> tuple[str, Kind]:
