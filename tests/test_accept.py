@@ -102,6 +102,7 @@ def test_replay_counts_steps() -> None:
     assert r.new_tokens == len(out) and 1 <= r.steps < len(out) and len(r.draft_seconds) == r.steps
 
 
+@pytest.mark.slow  # every drafter, size, ablation and plot, twice (a minute); the chat test below is the fast one
 def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = write_jsonl(
         tmp_path / "prompts.jsonl",

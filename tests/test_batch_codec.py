@@ -29,7 +29,7 @@ def _one_by_one(blobs: list[bytes], ns: list[int], table: TokenTable | None) -> 
     return out
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(
     st.lists(trees(), min_size=1, max_size=8),
     st.booleans(),

@@ -55,6 +55,7 @@ def test_rows_rotate_from_prompt_to_prompt(index: int, want: list[str]) -> None:
     assert rotated(["a", "b", "c"], index) == want
 
 
+@pytest.mark.slow  # the whole loop end to end, with its refreshes (most of a minute)
 def test_bench_learn_loop_writes_records_and_summary(
     db_dsn: str, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,7 +18,7 @@ def _assert_same(draft: object, tokens: np.ndarray, parents: np.ndarray, weights
     assert draft.weights.tolist() == weights.tolist()  # type: ignore[attr-defined]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(trees(), st.booleans())
 def test_round_trip_v1(tree: tuple[np.ndarray, np.ndarray, np.ndarray, int], compress: bool) -> None:
     tokens, parents, weights, vocab = tree
@@ -29,7 +29,7 @@ def test_round_trip_v1(tree: tuple[np.ndarray, np.ndarray, np.ndarray, int], com
     assert draft.n == 3
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(trees(), st.booleans(), st.randoms(use_true_random=False))
 def test_round_trip_v2(tree: tuple[np.ndarray, np.ndarray, np.ndarray, int], ranked: bool, rnd: object) -> None:
     tokens, parents, weights, vocab = tree
@@ -138,7 +138,7 @@ def test_lz4_used_for_repetitive_payloads() -> None:
     assert len(repetitive) < 4 + 64 * 4
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(trees())
 def test_compression_never_makes_a_blob_larger(tree: tuple[np.ndarray, np.ndarray, np.ndarray, int]) -> None:
     tokens, parents, weights, vocab = tree
@@ -242,7 +242,7 @@ def test_fuzz_single_byte_corruption(position: int, value: int, version: int) ->
     draft.validate()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     trees(),
     st.sampled_from(["v1", "v1-plain", "v2", "v2-ranked"]),

@@ -133,7 +133,13 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("case", "make", "extra", "message"), BAD, ids=[b[0] for b in BAD])
+FAST_BAD = ("malformed-json", "missing-file")  # a subprocess each (~10 s): the other cases run in the slow lane
+
+
+@pytest.mark.parametrize(
+    ("case", "make", "extra", "message"),
+    [pytest.param(*b, marks=() if b[0] in FAST_BAD else pytest.mark.slow, id=b[0]) for b in BAD],
+)
 def test_bad_input_is_a_clear_error(
     db_dsn: str,
     tmp_path: Path,

@@ -215,6 +215,7 @@ def test_sample_groups_bound_the_bytes_of_a_group() -> None:
     assert len(edges) >= 3 and max(sizes) <= 2 * 5000 * 68
 
 
+@pytest.mark.slow  # starts Spark (a JVM) for this one test in the fast lane
 def test_missing_input_fails_before_any_work(db_dsn: str, spark: Any, tmp_path: Path, smollm2_gguf: Path) -> None:
     with pytest.raises(CorpusError, match="does not exist"):
         ingest_spark(
