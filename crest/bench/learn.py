@@ -159,9 +159,7 @@ def stream(
     replays: dict[str, list[Replay]] = {name: [] for name in names}
     sized: dict[str, list[Replay]] = {name: [] for name in names}
     sizers = {name: DraftPolicy(budget=opts.max_nodes, cost=cost) for name in names} if cost is not None else {}
-    play = partial(
-        replay, max_nodes=opts.max_nodes, max_new_tokens=opts.max_new_tokens, max_positions=max_positions
-    )
+    play = partial(replay, max_nodes=opts.max_nodes, max_new_tokens=opts.max_new_tokens, max_positions=max_positions)
     per_request: list[dict[str, Any]] = []
     learned: list[list[int]] = []
     live: LiveTrees | None = None
