@@ -138,6 +138,7 @@ def live_through(dsn: str) -> int:
     return max((int(through) for _, tier, through, *_ in published if tier == "live"), default=0)
 
 
+@pytest.mark.slow  # two `crest serve` subprocesses, about a minute
 def test_two_servers_race_to_refresh_and_draft_each_others_outputs(
     race_dsn: str, tiny_serve_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
