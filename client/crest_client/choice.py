@@ -24,6 +24,16 @@ RULES = ("longest", "expected")
 DEFAULT_RULE = "expected"
 PRIOR = 256.0  # pseudo-occurrences added to every tree's count (docs/benchmarks.md: "Which suffix drafts")
 
+# A live tier's trees come from what was served lately, a few occurrences each: the prior above (tuned on corpora)
+# passes them over for short common suffixes, so a live tier drafts from its longest stored suffix
+# (docs/learning.md, "Which suffix the live tier drafts from").
+LIVE_RULE = "longest"
+
+
+def rule_for(tier: str, rule: str) -> str:
+    """Return the suffix rule a tier is read with: `rule` for the static tier, `LIVE_RULE` for a live one."""
+    return rule if tier == "static" else LIVE_RULE
+
 
 def resolve_rule(rule: str | None = None) -> str:
     """Return the suffix rule: the argument, else CREST_SUFFIX_RULE, else the default; raise on an unknown one."""

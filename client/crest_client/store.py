@@ -29,7 +29,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from crest_client._cache import TierCaches
 from crest_client._connections import Connections, LookupTimeout, open_pool
-from crest_client.choice import choose, resolve_rule
+from crest_client.choice import choose, resolve_rule, rule_for
 from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
 from crest_client.hosts import check_dsn, resolve_read_dsn
@@ -225,13 +225,9 @@ class Store:
     def _every(self, info: StoreInfo) -> bool:
         """Return whether a lookup of this version fetches every stored suffix (the `expected` rule's choice).
 
-        A live tier always drafts from its longest stored suffix: its trees come from what was served lately, a
-        few occurrences each, which the `expected` rule's prior (pseudo-occurrences tuned on corpora) passes over
-        for short common suffixes; on prompts served again that halved what it drafts (docs/learning.md).
+        A live tier always drafts from its longest stored suffix (`crest_client.choice.rule_for`).
         """
-        if info.tier != "static":
-            return False
-        return self.rule != "longest" and info.params.get("suffix_rule", "lookup") == "lookup"
+        return rule_for(info.tier, self.rule) != "longest" and info.params.get("suffix_rule", "lookup") == "lookup"
 
     def _fetch(
         self, infos: list[StoreInfo], tails: list[tuple[int, ...]], missing: list[list[int]]

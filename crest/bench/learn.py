@@ -7,7 +7,7 @@ the live tier is rebuilt from the last `window` learned tokens with the code `cr
 live version with (`crest.bench.live_memory`: the same selection, `min_count` filter, `build_trees` and blob
 encoding, on the static version's tokenizer and build options), but kept in memory instead of published: publishing
 one version per request would time the database, not the drafts, and nothing is ever written to the user's stores.
-The live trees are looked up with the static store's suffix rule (`crest_client.choice`), the static tier through
+The live trees are looked up as the SDK reads a live tier (`crest_client.choice.rule_for`), the static tier through
 the SDK. M (new tokens per target forward) is measured by replay on the plain greedy continuations, as `crest bench
 accept` does (trees cut to `max_nodes`), and again with each step's tree cut to the size the generator's adaptive
 sizing picks (`crest.bench.adaptive`, under the pinned quiet-CPU cost model or a calibrated one); each row's draft

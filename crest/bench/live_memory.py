@@ -4,7 +4,8 @@
 `LiveTrees.build` counts and selects n-grams and builds their trees with the ingest pipeline's own loader (the
 selection, `min_count` filter, `build_trees` and blob encoding of a live version, on the static version's build
 options), keeping the rows in a dict instead of copying them into a partition. `draft` picks among the stored
-suffixes of a context with the SDK's rule (`crest_client.choice`) and decodes the tree as `Store` does. Used by
+suffixes of a context as the SDK reads a live tier (`crest_client.choice.rule_for`: its longest stored suffix)
+and decodes the tree as `Store` does. Used by
 `crest bench learn`, which rebuilds a live tier after every few requests of a stream without publishing any.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from crest_client.choice import choose, resolve_rule
+from crest_client.choice import choose, resolve_rule, rule_for
 from crest_client.codec import TokenTable, decode_tree, token_width
 from crest_client.draft import Draft
 
@@ -68,7 +69,7 @@ class LiveTrees:
     ) -> None:
         self.rows, self.table, self.options, self.vocab_size = rows, table, options, vocab_size
         self.width = token_width(vocab_size)
-        self.rule = resolve_rule(rule)  # the SDK's: the argument, else CREST_SUFFIX_RULE, else its default
+        self.rule = rule_for("live", resolve_rule(rule))  # the SDK's rule for a live tier: its longest suffix
 
     @classmethod
     def build(
