@@ -223,6 +223,8 @@ def test_refresh_skips_while_another_refresh_holds_the_store(words: str, word_to
     with psycopg.connect(words, autocommit=True) as holder:
         holder.execute("SELECT pg_advisory_lock(%s, %s)", refresh_lock_key("words"))
         assert refresh_live(words, "words") is None
+        # released here, in this statement: a closed session's locks go when its backend exits, a moment later
+        holder.execute("SELECT pg_advisory_unlock(%s, %s)", refresh_lock_key("words"))
     assert refresh_live(words, "words") is not None
 
 
