@@ -172,20 +172,20 @@ class LlamaServer:
 
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
-        cmd = [str(binary), "-m", str(gguf), "--port", port, "-c", "2048", "-np", "1", "-t", "2", "--metrics", *args]
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        cmd = [str(binary), "-m", str(gguf), "--port", port, "-c", "2048", "-np", "1", "-t", "1", "--metrics", *args]
+        self.log, self.out = log, log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> LlamaServer:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)  # polling a condition with a deadline
+        self.__exit__()
         raise AssertionError(f"llama-server did not start: {self.log.read_text()[-3000:]}")
 
     def __exit__(self, *exc: object) -> None:
@@ -195,6 +195,8 @@ class LlamaServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        finally:
+            self.out.close()
 
     def complete(self, prompt: str) -> dict[str, Any]:
         """Return llama-server's answer to a greedy /completion of TOKENS tokens."""
