@@ -385,6 +385,8 @@ def test_ctrl_c_during_ingest_says_interrupted_exits_130_and_keeps_the_previous_
         watchdog.cancel()
         proc.kill()
         proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()  # a pipe left open is a ResourceWarning, an error in this suite
     assert visible_state(db_dsn) == before and before["published"] == [old.store_id]
     assert snapshot(db_dsn, "words") == old_snapshot
     with psycopg.connect(db_dsn) as conn:  # the interrupted attempt is marked, not left building

@@ -141,8 +141,9 @@ def start_paused_ingest(corpus: Path, tokenizer: Path, dsn: str, home: Path, sta
     stderr = proc.stderr
 
     def pump() -> None:
-        for line in stderr:
-            lines.put(line)
+        with stderr:  # closed once the process is gone (killed by the test)
+            for line in stderr:
+                lines.put(line)
 
     threading.Thread(target=pump, daemon=True).start()
     deadline, said = time.monotonic() + 120, []
