@@ -18,7 +18,6 @@ import numpy as np
 import psycopg
 import pytest
 
-from crest.config import IngestOptions
 from crest.db import dense as dense_db
 from crest.decoding.generator import SpeculativeGenerator
 from crest.decoding.hidden import model_fingerprint
@@ -26,61 +25,13 @@ from crest.drafters.dense import DenseDrafter, neighbour_draft
 from crest.drafters.dense_index import DenseIndex, open_dense
 from crest.drafters.registry import close_drafter, make_drafter, open_drafter
 from crest.errors import ConfigError, ModelError
-from crest.ingest.dense import DenseOptions, sample_positions
+from crest.ingest.dense import sample_positions
 from crest.ingest.pipeline import ingest
-from tests.fix_corpus import make_word_tokenizer, write_jsonl
-from tests.fix_models import tiny_model
+from tests.fix_corpus import write_jsonl
+from tests.fix_dense import DENSE_DRAFTERS, OPTIONS, PROMPTS, ingest_dense, save_tiny
 from tests.fix_proxy import Proxy
 
-WORDS = [f"w{i}" for i in range(30)]
-PROMPTS = ["w1 w2 w3 w4", "w5 w6 w7", "w0 w0 w8 w9 w10", "w11 w3 w12", "w13 w14", "w15 w16 w17 w18"]
-OPTIONS = IngestOptions(max_n=3, top_t=1000, continuation_length=6)
-DENSE_DRAFTERS = ("dense", "crest+dense", "crest+dense+prompt")
-
-
-def _save_tiny(directory: Path, *, seed: int) -> Path:
-    make_word_tokenizer(directory, WORDS)
-    model = tiny_model("llama", seed=seed, vocab=len(WORDS) + 2, max_positions=512)
-    model.config.eos_token_id = 1  # [EOS]
-    model.generation_config.eos_token_id = 1
-    model.save_pretrained(str(directory))
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A word tokenizer and a tiny random llama over its vocabulary."""
-    return _save_tiny(tmp_path_factory.mktemp("tiny-dense"), seed=3)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_dir: Path) -> Any:
-    from crest.decoding.models import load_model
-
-    return load_model(str(tiny_dir))
-
-
-@pytest.fixture(scope="module")
-def corpus(tiny_dir: Path, loaded: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Documents of the tiny model's own greedy continuations (DReSD's best datastore: the model's outputs)."""
-    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False)
-    texts = []
-    for prompt in PROMPTS:
-        ids = loaded.tokenizer(prompt)["input_ids"]
-        out = gen.generate(ids, max_new_tokens=40).output_token_ids
-        texts.append(loaded.tokenizer.decode(ids + out, skip_special_tokens=True))
-    path = tmp_path_factory.mktemp("dense-corpus") / "corpus.jsonl"
-    return write_jsonl(path, [{"text": t} for t in texts])
-
-
-def _ingest(dsn: str, corpus: Path, tiny_dir: Path, **dense: Any) -> Any:
-    options = DenseOptions(str(tiny_dir), dims=16, positions=dense.pop("positions", 10_000), continuation=8, **dense)
-    return ingest([str(corpus)], store="words", tokenizer=str(tiny_dir), dsn=dsn, options=OPTIONS, dense=options)
-
-
-@pytest.fixture
-def dense_store(db_dsn: str, corpus: Path, tiny_dir: Path) -> Any:
-    return _ingest(db_dsn, corpus, tiny_dir)
+pytest_plugins = ["tests.fix_dense"]
 
 
 def test_sample_positions_draw_whole_windows_with_two_tokens_after_each_position() -> None:
@@ -188,7 +139,7 @@ def test_another_model_than_the_dense_parts_is_a_clear_error(
 ) -> None:
     from crest.decoding.models import load_model
 
-    other = load_model(str(_save_tiny(tmp_path / "other", seed=4)))
+    other = load_model(str(save_tiny(tmp_path / "other", seed=4)))
     gen = SpeculativeGenerator(other.model, other.tokenizer, adaptive=False)
     drafter = open_drafter("crest+dense+prompt", store="words", dsn=db_dsn)
     try:
@@ -233,7 +184,7 @@ def test_a_new_version_is_picked_up_once_the_old_one_is_dropped(
 ) -> None:
     index = DenseIndex("words", dsn=db_dsn).open()
     assert index.meta is not None and index.meta.store_id == dense_store.store_id
-    newer = _ingest(db_dsn, corpus, tiny_dir, positions=50)
+    newer = ingest_dense(db_dsn, corpus, tiny_dir, positions=50)
     hidden = np.zeros((1, index.meta.hidden_size), dtype=np.float32)
     assert index.search(hidden, k=4) == [[]]  # the old version's table is gone: nothing this once
     assert len(index.search(hidden, k=4)[0]) == 4 and index.meta.store_id == newer.store_id
@@ -332,7 +283,7 @@ def test_cli_generates_with_the_dense_drafter_and_refuses_another_model(
     args = ["generate", "w1 w2 w3 w4", "--store", "words", "--drafter", "crest+dense+prompt", "--max-new-tokens", "8"]
     done = run_cli(*args, "--model", str(tiny_dir), "--max-draft-tokens", "16", dsn=db_dsn, home=tmp_path)
     assert done.returncode == 0, done.stderr
-    other = _save_tiny(tmp_path / "other", seed=4)
+    other = save_tiny(tmp_path / "other", seed=4)
     refused = run_cli(*args, "--model", str(other), dsn=db_dsn, home=tmp_path)
     assert refused.returncode == 2 and "dense part was built with model" in one_error_line(refused.stderr)
 
