@@ -1,11 +1,10 @@
 """Dense drafting measured by replay: M of the dense drafters beside crest's on known greedy continuations.
 
-For each prompt the target decodes greedily once (the reference), then runs one plain forward over prompt and
-reference for the last hidden state at every position; each drafter is then replayed on the reference
-(`crest.bench.replay`) with the same node budget, the dense parts fed the hidden state that predicted each
-context's last token, exactly what the generator hands them after a verify forward (up to the tree mask's
-rounding). One drafter per name serves all prompts, as a server's would. The batched lookup latency is timed
-on the same hidden states: `batch` contexts per statement. Run: `python3 -m crest.bench.dense --store S`.
+For each prompt the target decodes greedily once (the reference); each drafter is then replayed on it
+(`crest.bench.replay`, which feeds the dense parts the hidden state that predicted each context's last token, from
+one plain forward over prompt and reference) with the same node budget. One drafter per name serves all prompts,
+as a server's would. The batched lookup latency is timed on the same hidden states: `batch` contexts per
+statement. Run: `python3 -m crest.bench.dense --store S`.
 """
 
 from __future__ import annotations
@@ -17,30 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from crest_client.draft import Draft
 
 from crest.bench.generate import generate_plain
 from crest.bench.prompts import load_prompts
-from crest.bench.replay import replay
+from crest.bench.replay import reference_hidden, replay
 from crest.decoding.drafter import Drafter
-from crest.decoding.hidden import feed_hidden, final_hidden, wants_hidden
+from crest.decoding.hidden import wants_hidden
 from crest.drafters.registry import close_drafter, open_drafter
 
 DRAFTERS = ("crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt")
-
-
-class HiddenReplay:
-    """Hands a drafter the known hidden state for each context before it drafts (positions of one sequence)."""
-
-    def __init__(self, drafter: Drafter, hidden: np.ndarray) -> None:
-        self.drafter, self.hidden = drafter, hidden  # hidden: [N, H], row i predicted token i + 1
-
-    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        """Feed the state that predicted the context's last token, then draft."""
-        n = len(context_ids)
-        feed_hidden(self.drafter, n, self.hidden[n - 2] if n >= 2 else None)
-        return self.drafter.draft(context_ids, max_nodes)
 
 
 def compare(
@@ -91,11 +75,10 @@ def _measure(
     for text in load_prompts(prompts, limit=limit):
         prompt = list(loaded.tokenizer(text)["input_ids"])
         out = generate_plain(loaded.model, loaded.tokenizer, prompt, max_new_tokens=max_new_tokens).output_token_ids
-        ids = torch.tensor([prompt + out], device=loaded.device)
-        hidden = final_hidden(loaded.model, ids)[0].float().cpu().numpy()  # [N, H]
+        hidden = reference_hidden(loaded.model, prompt, out)  # [N, H]
         states.append(hidden[len(prompt) - 1 :])
         for name, drafter in opened.items():
-            run = replay(HiddenReplay(drafter, hidden), prompt, out, max_nodes=max_nodes, max_new_tokens=max_new_tokens)
+            run = replay(drafter, prompt, out, max_nodes=max_nodes, max_new_tokens=max_new_tokens, hidden=hidden)
             totals[name][0] += run.new_tokens
             totals[name][1] += run.steps
     figures: dict[str, Any] = {
