@@ -8,7 +8,7 @@ from crest_client.batch_codec import decode_trees
 from crest_client.codec import TokenTable, decode_tree, encode_tree
 from crest_client.draft import Draft
 from crest_client.errors import CodecError
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.fix_drafts import trees
@@ -29,11 +29,20 @@ def _one_by_one(blobs: list[bytes], ns: list[int], table: TokenTable | None) -> 
     return out
 
 
+_PARENTS_PAST_THE_END = np.zeros(128, dtype=np.int32)
+_PARENTS_PAST_THE_END[[0, 2, 14, 73]] = [-1, 1, 13, 70]
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     st.lists(trees(), min_size=1, max_size=8),
     st.booleans(),
     st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3),
+)
+@example(  # a flipped byte made a 128-node blob's fields point past the buffer: an IndexError, not CodecError
+    batch=[(np.zeros(128, dtype=np.int64), _PARENTS_PAST_THE_END, np.ones(128, dtype=np.int64), 2)],
+    ranked=False,
+    flips=[(3957, 37)],
 )
 def test_batch_equals_one_by_one(batch: list, ranked: bool, flips: list[tuple[int, int]]) -> None:
     vocab = min(v for *_, v in batch)

@@ -87,8 +87,11 @@ def _decode_batch(
     buf = b"".join(streams) + bytes(8)
     windows = np.ndarray((len(buf) - 7,), "<i8", buf, 0, (1,))  # the 64-bit word at each byte
 
+    last_window = windows.shape[0] - 1
+
     def read(bits: np.ndarray, widths: np.ndarray) -> np.ndarray:
-        return (windows[bits >> 3] >> (bits & 7)) & MASKS[widths]
+        # a corrupt blob's fields can point past the buffer: read garbage there, its end check marks it bad
+        return (windows[np.minimum(bits >> 3, last_window)] >> (bits & 7)) & MASKS[widths]
 
     m = counts.shape[0]
     blob = np.repeat(np.arange(m), counts)  # [C] blob of each node
