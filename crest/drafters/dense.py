@@ -125,7 +125,9 @@ def _hybrid(parts: dict[str, Any], *, prompt: bool) -> Drafter:
     return HiddenMerged(merged, PromptDrafter()) if prompt else merged
 
 
-HIDDEN_PLACES = frozenset({"generate", "serve"})  # where a verify forward hands hidden states over (not vLLM)
+# where the target's hidden states are handed over: a verify forward (generate, serve, bench generate) or the
+# replay's plain forward (bench accept); not vLLM
+HIDDEN_PLACES = frozenset({"generate", "serve", "bench"})
 
 register(
     Kind(
