@@ -227,3 +227,49 @@ def test_the_dense_drafters_run_in_generate_and_serve_and_not_in_vllm() -> None:
 
     assert set(DENSE_DRAFTERS) <= set(names("serve")) & set(names("generate"))
     assert not set(DENSE_DRAFTERS) & set(names("vllm"))  # vLLM's proposer sees no hidden states
+
+
+def test_batched_sampled_rows_with_dense_drafts_draw_what_they_draw_alone(
+    db_dsn: str, dense_store: Any, served: Any, plain: dict[str, tuple[list[int], str]]
+) -> None:
+    """Seeded sampled rows drafting from the dense part (alone and in both hybrids), batched with greedy rows through
+    the scheduler, emit exactly what the single-sequence generator emits for the same seed and drafter (the same
+    trees, the same draws), and they accept dense drafts. The generator's sampled rule is lossless by
+    tests/test_sampling.py's chi-square tests; this holds the batched path with dense drafts to it."""
+    from crest.drafters.registry import close_drafter, open_drafter
+
+    engine = _engine(served, db_dsn)
+    rows: list[tuple[str, str, dict[str, Any]]] = [
+        (p, DENSE_DRAFTERS[i % 3], {"temperature": 0.7, "top_k": 5, "seed": 40 + i} if i // 3 % 2 == 0 else {})
+        for i, p in enumerate(PROMPTS * 2)
+    ]  # 12 rows in a batch of 8, later ones joining as others finish: 6 sampled (each dense drafter twice), 6 greedy
+    try:
+        futures = [
+            engine.submit(engine.request(_ids(engine.tokenizer, p), drafter=d, store=None, prediction=None,
+                                         max_tokens=MAX_TOKENS, **o))
+            for p, d, o in rows
+        ]  # fmt: skip
+        for _ in range(500):
+            if not engine.scheduler.step():
+                break
+        outcomes = [f.result(timeout=0) for f in futures]
+    finally:
+        engine.stop()
+    alone = SpeculativeGenerator(served.model, served.tokenizer, cost=flat_cost())  # the scheduler's settings
+    for (prompt, name, options), outcome in zip(rows, outcomes, strict=True):
+        drafter = open_drafter(name, store="words", dsn=db_dsn)
+        try:
+            want = alone.generate(_ids(served.tokenizer, prompt), drafter=drafter, max_new_tokens=MAX_TOKENS, **options)
+        finally:
+            close_drafter(drafter)
+        assert outcome.result.output_token_ids == want.output_token_ids, (prompt, name, options)
+        if not options:
+            assert want.output_token_ids == plain[prompt][0]  # the greedy rows are plain greedy decoding
+    sampled = [o for (_, _, options), o in zip(rows, outcomes, strict=True) if options]
+    assert sum(o.accepted_parts.get("dense", 0) for o in sampled) >= len(sampled), (
+        "sampled rows hardly took dense drafts"
+    )
+    greedy_texts = {
+        plain[p][0] == o.result.output_token_ids for (p, _, opts), o in zip(rows, outcomes, strict=True) if opts
+    }
+    assert False in greedy_texts  # the sampled rows sample: some leave the greedy path
