@@ -76,11 +76,16 @@ def promise(n: int, count: int, tree: bytes, *, max_matches: int) -> float:
     return first / (built_from + PRIOR)
 
 
+def rank(n: int, count: int, tree: bytes, *, max_matches: int) -> tuple[float, int]:
+    """Return the `expected` rule's sort key of an (n, count, tree) row: its promise, then its length."""
+    return promise(n, count, tree, max_matches=max_matches), int(n)
+
+
 def choose(rows: Sequence[tuple[int, int, bytes]], *, max_matches: int) -> int:
     """Return the index of the (n, count, tree) row to draft from: the most promising, longer on ties."""
     best, best_key = 0, (-2.0, -1)
     for j, (n, count, tree) in enumerate(rows):
-        key = (promise(n, count, tree, max_matches=max_matches), int(n))
+        key = rank(n, count, tree, max_matches=max_matches)
         if key > best_key:
             best, best_key = j, key
     return best

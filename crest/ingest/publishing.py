@@ -105,10 +105,10 @@ def check_ingest(
             f"--engine {engine} keeps n-grams by {' or '.join(ENGINE_KEEP_RULES[engine])} only, not by "
             f"{options.keep!r}: use --keep count or --engine inprocess"
         )
-    if engine == "spark" and options.suffix_rule != "lookup":  # crest.ingest.suffixes runs in process only
+    if engine == "spark" and options.suffix_rule == "backoff":  # crest.ingest.suffixes' back-off runs in process
         raise ConfigError(
-            f"--engine spark stores each n-gram's own tree only, not --suffix-rule {options.suffix_rule}: "
-            "use --suffix-rule lookup or --engine inprocess"
+            "--engine spark stores each n-gram's own tree only, not --suffix-rule backoff: "
+            "use --suffix-rule lookup or prune, or --engine inprocess"
         )
     if chunk_tokens < 1:
         raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")

@@ -6,7 +6,8 @@ executors: reading and tokenizing (`spark_corpus`), counting n-grams per partiti
 range with `reduceByKey`, ranking them (count descending, key ascending, as `ngrams.rank`), sampling
 occurrences by the smallest keyed hash of their global position (mergeable, as `trees.find_occurrences`),
 building and encoding trees, and COPYing rows into the version's table over their own connections
-(`spark_tasks`). The driver holds only the selected keys of one rank block (to broadcast them) and one hash
+(`spark_tasks`), and with `--suffix-rule prune` deleting the rows the `expected` rule never drafts from
+(`spark_prune`). The driver holds only the selected keys of one rank block (to broadcast them) and one hash
 per stored row (for the key filter). With `--budget`, ranks are loaded in doubling blocks until the next rank
 no longer fits, as in-process. A failed or killed job fails the build: the published version stays.
 """
@@ -52,6 +53,7 @@ from crest.ingest.spark_corpus import (
     tokenize_partition,
 )
 from crest.ingest.spark_load import Loader, Plan
+from crest.ingest.spark_prune import Pruned, prune_rows
 from crest.ingest.spark_tasks import (
     LoadStats,
     bucket_bounds,
@@ -221,8 +223,13 @@ class _Job:
                 )
                 loader = Loader(plan, parts, ranked, build.store_id, bases, unigram, keep)
                 top_t = loader.load_all(counted)
+                pruned = Pruned()
+                if loader.records is not None:  # --suffix-rule prune: crest.ingest.spark_prune
+                    sid, width, slices = build.store_id, self.width, self.partitions
+                    pruned = prune_rows(loader.records, dsn=self.dsn, store_id=sid, width=width, partitions=slices)
+                    loader.records.unpersist()
                 hashes = [s.hashes for s in loader.stats]
-                filt = KeyFilter.build(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
+                filt = KeyFilter.build(pruned.left(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)))
                 build.write_store_data(table.to_bytes(), filt.to_bytes())
                 markers = sql.SQL("DELETE FROM {} WHERE token_id < 0").format(db.vocab_table(build.store_id))
                 with build.conn.transaction():  # the COPY tasks' markers
@@ -230,7 +237,7 @@ class _Job:
                 self.seconds["trees_load"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 build.finish_tables()
-                summary = self._summary(build, report, bases, counted, positions, loader, top_t)
+                summary = self._summary(build, report, bases, counted, positions, loader, top_t, pruned)
                 publish_summary(build, summary, seconds=self.seconds, started=t0)
         finally:
             parts.unpersist()
@@ -318,11 +325,12 @@ class _Job:
         positions: dict[int, int],
         loader: Loader,
         top_t: int | None,
+        pruned: Pruned,
     ) -> SparkIngestSummary:
         ns = range(1, self.options.max_n + 1)
-        kept = {n: sum(s.kept.get(n, 0) for s in loader.stats) for n in ns}
-        covered = {n: sum(s.covered.get(n, 0) for s in loader.stats) for n in ns}
-        nodes = sum(s.nodes for s in loader.stats)
+        kept = {n: sum(s.kept.get(n, 0) for s in loader.stats) - pruned.kept.get(n, 0) for n in ns}
+        covered = {n: sum(s.covered.get(n, 0) for s in loader.stats) - pruned.covered.get(n, 0) for n in ns}
+        nodes = sum(s.nodes for s in loader.stats) - pruned.nodes
         self._worker_peak(max((s.peak_rss_bytes for s in loader.stats), default=0))
         sizes = build.table_bytes()
         spark = {"engine": "spark", "master": self.sc.master, "partitions": self.partitions, **self.figures}
@@ -339,7 +347,7 @@ class _Job:
             positions=positions,
             covered=covered,
             avg_tree_nodes=nodes / max(1, sum(kept.values())),
-            blob_bytes=sum(s.blob_bytes for s in loader.stats),
+            blob_bytes=sum(s.blob_bytes for s in loader.stats) - pruned.blob_bytes,
             table_bytes=sizes["table_bytes"],
             index_bytes=sizes["index_bytes"],
             seconds=self.seconds,

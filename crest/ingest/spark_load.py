@@ -2,7 +2,8 @@
 
 The driver collects the selected keys of one block (to broadcast them), sums the estimated bytes of the block's
 rows per rank segment (with `--budget`: the ranks that fit follow, as in-process, from the cumulative bytes),
-and collects what each COPY task wrote; the rows themselves stay on the executors.
+and collects what each COPY task wrote; the rows themselves stay on the executors (with `--suffix-rule prune`,
+each copied row's key and rank too, for `spark_prune`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from crest_client.codec import TokenTable
 from crest.config import IngestOptions
 from crest.ingest.loader import Reporter, SilentReporter, estimate_row_bytes
 from crest.ingest.ngrams import lengths_for
+from crest.ingest.spark_prune import row_records
 from crest.ingest.spark_tasks import (
     LoadStats,
     Rows,
@@ -66,6 +68,7 @@ class Loader:
         self.stats: list[LoadStats] = []
         self.block = 0
         self.fault = os.environ.get(ENV_FAULT) == "copy"
+        self.records: RDD[Any] | None = None  # (key, spark_prune.Record) of the rows copied, with `prune`
         job.figures["sample_shuffle_bytes"] = 0
 
     def load_all(self, counted: dict[int, int]) -> int | None:
@@ -209,6 +212,11 @@ class Loader:
             yield copy_rows(dsn, sid, (block << 16) | index, batches, fault=fault and index == last)
 
         self.stats.extend(rows.mapPartitionsWithIndex(copy).collect())
+        if self.job.options.suffix_rule == "prune":  # what crest.ingest.spark_prune needs of each row copied
+            k = self.job.options.max_matches
+            kept = rows.flatMap(lambda r: row_records(r.take(r.ranks < limit), max_matches=k)).persist(self.keep)
+            kept.count()
+            self.records = kept if self.records is None else self.records.union(kept)
         rows.unpersist()
         self.block += 1
 

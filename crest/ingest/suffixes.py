@@ -17,11 +17,12 @@ weight under 128 is one header byte and keeps the blob on the SDK's batch decode
 no finer grain), cut to the tree size and stored in the stored-tree order. Rows the live tier's incremental
 refresh copied from its previous version were decided there and are kept (a row is copied only when the rows of
 all its suffixes were copied too). With `--suffix-rule prune` each row keeps its own tree, and only the rows the
-client's `expected` rule would ever draft from are kept: g stays when `crest_client.choice.choose` prefers it to
+client's `expected` rule would ever draft from are kept: g stays when it outranks (`crest_client.choice.rank`)
 the most promising of its stored proper suffixes (1-grams, with none, always stay). The rule's score depends on
 the row alone, so the longest kept suffix of any context is the suffix `expected` chooses on the whole build: one
 row per lookup drafts what `expected` drafts, from the rows that can win. The decision is made on every row
-(copied ones too): it depends only on the rows built, which an incremental refresh builds as a full one does.
+(copied ones too): it depends only on the rows built, which an incremental refresh builds as a full one does. The
+Spark engine applies the same `kept_by_prune` on its executors (`crest.ingest.spark_prune`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
 import numpy as np
-from crest_client.choice import choose
+from crest_client.choice import rank
 from crest_client.codec import TokenTable, decode_tree, encode_tree, tree_nodes
 from crest_client.draft import Draft
 from crest_client.merge import merge_drafts
@@ -43,6 +44,7 @@ from crest.config import IngestOptions
 BACKOFF_SCALE = 127  # integer weight of a back-off tree's whole mass: weights 1..127
 
 Row = tuple[bytes, int, int, bytes]  # (key, n, count, tree) as stored
+Rank = tuple[float, int]  # the `expected` rule's sort key of a row (crest_client.choice.rank)
 T = TypeVar("T")
 
 
@@ -122,21 +124,25 @@ def resolve_build(
 def prune_mask(rows: Sequence[Row], *, width: int, max_matches: int) -> list[bool]:
     """Return, for rows ordered by n, whether the `expected` rule would ever draft from each (`prune`).
 
-    A row is kept when `choose` prefers it to the best of its stored proper suffixes; the best of a row's suffixes
-    and itself is then the best of its longest stored proper suffix's and itself, so one pass, shortest first.
+    The best rank among a row's stored proper suffixes is the best of its longest stored proper suffix and that
+    suffix's own suffixes, so one pass, shortest first.
     """
-    best: dict[bytes, tuple[int, int, bytes]] = {}  # key -> (n, count, tree) of the best of it and its suffixes
+    best: dict[bytes, Rank] = {}  # key -> the best rank of it and its stored suffixes
     keep: list[bool] = []
     for key, n, count, tree in rows:
-        own = (n, count, tree)
+        own = rank(n, count, tree, max_matches=max_matches)
         suffix = _suffix(key, width, best)
-        if suffix is None or choose([suffix, own], max_matches=max_matches) == 1:  # own wins ties: it is longer
-            best[key] = own
-            keep.append(True)
-        else:
-            best[key] = suffix
-            keep.append(False)
+        keep.append(kept_by_prune(own, suffix))
+        best[key] = own if suffix is None else max(own, suffix)
     return keep
+
+
+def kept_by_prune(own: Rank, suffixes: Rank | None) -> bool:
+    """Return whether `prune` keeps a row of rank `own` whose stored proper suffixes' best rank is `suffixes`.
+
+    `choose` drafts from it when it outranks all of them (on a tie in promise the longer row wins); 1-grams stay.
+    """
+    return suffixes is None or own > suffixes
 
 
 def _backoff_rows(
