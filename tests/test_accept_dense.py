@@ -78,3 +78,18 @@ def test_dense_options_are_checked() -> None:
         AcceptOptions(setting="code", dense_continuation=1).validate()
     with pytest.raises(ConfigError, match="--dense-top-t"):
         AcceptOptions(setting="code", top_t=(5, 40), dense_top_t=7).validate()
+
+
+def test_cli_rejects_bad_dense_options(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import sys
+
+    from crest.cli.app import main
+
+    argv = ["crest", "bench", "accept", "--out", str(tmp_path), "--setting", "code", "--dense-positions", "10,0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 2  # ConfigError, before any datastore is built
+    assert "--dense-positions" in capsys.readouterr().err
