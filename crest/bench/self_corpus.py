@@ -6,7 +6,8 @@ per prompt, `{"text": prompt + greedy response}` (the prompt as the model saw it
 `crest ingest --dense-model` or `crest bench accept --dense-corpus`. Prompts come from HumanEval or a prompts
 JSONL (`--skip` the ones a benchmark measures: they must never build a datastore) or from the first human turns of
 a ShareGPT JSONL such as `crest bench accept`'s chat corpus (its held-out conversations are not in it). Generation
-is batched (left-padded, prompts sorted by length), greedy, cut at the end-of-sequence token.
+is batched (left-padded, prompts sorted by length), greedy, cut at the end-of-sequence token; each batch's
+documents are written as it finishes, so a run stopped early keeps them.
 Run: `python3 -m crest.bench.self_corpus --prompts humaneval --skip 40 --out self_code.jsonl`.
 """
 
@@ -16,7 +17,7 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,19 @@ from crest.errors import ConfigError
 
 
 def respond(
-    loaded: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int = 128,
-    batch: int = 16,
-    note: Callable[[str], None] = lambda line: None,
+    loaded: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128, batch: int = 16
 ) -> list[list[int]]:
     """Return the greedy response of each prompt (token ids, cut after end-of-sequence), in batches."""
+    found = dict(
+        pair for done in responses(loaded, prompts, max_new_tokens=max_new_tokens, batch=batch) for pair in done
+    )
+    return [found[i] for i in range(len(prompts))]
+
+
+def responses(
+    loaded: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128, batch: int = 16
+) -> Iterator[list[tuple[int, list[int]]]]:
+    """Yield each batch's (prompt index, greedy response) pairs as it finishes, shorter prompts first."""
     from crest.decoding.generator import eos_ids
 
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -41,8 +47,6 @@ def respond(
     eos = eos_ids(model, tokenizer)
     pad = getattr(tokenizer, "pad_token_id", None) or (min(eos) if eos else 0)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad little
-    found: dict[int, list[int]] = {}
-    started = time.perf_counter()
     for lo in range(0, len(order), batch):
         picked = order[lo : lo + batch]
         width = max(len(prompts[i]) for i in picked)
@@ -62,13 +66,8 @@ def respond(
                 top_k=None,
                 pad_token_id=pad,
             )[:, width:].tolist()  # [B, new]
-        for row, i in enumerate(picked):
-            tokens = out[row]
-            stop = next((j + 1 for j, t in enumerate(tokens) if t in eos), len(tokens))
-            found[i] = [int(t) for t in tokens[:stop]]
-        done = lo + len(picked)
-        note(f"responses {done}/{len(order)}, {time.perf_counter() - started:.0f} s")
-    return [found[i] for i in range(len(prompts))]
+        stops = [next((j + 1 for j, t in enumerate(row) if t in eos), len(row)) for row in out]
+        yield [(i, [int(t) for t in out[row][: stops[row]]]) for row, i in enumerate(picked)]
 
 
 def sharegpt_turns(path: str, *, count: int, seed: int = 0) -> list[str]:
@@ -96,16 +95,18 @@ def write_self_corpus(
     kept = [ids for ids in encoded if 0 < len(ids) <= max_prompt_tokens]  # long prompts would dominate the batch
     if not kept:
         raise ConfigError(f"no prompt of 1 to {max_prompt_tokens} tokens to respond to")
-    started = time.perf_counter()
-    responses = respond(loaded, kept, max_new_tokens=max_new_tokens, batch=batch, note=note)
-    seconds = time.perf_counter() - started
+    started, written, new = time.perf_counter(), 0, 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as sink:
-        for ids, response in zip(kept, responses, strict=True):
-            text = loaded.tokenizer.decode(ids + response, skip_special_tokens=False)
-            sink.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-    new = sum(len(r) for r in responses)
-    return {"documents": len(kept), "skipped": len(encoded) - len(kept), "new_tokens": new, "seconds": seconds}
+        for done in responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch):
+            for i, response in done:
+                text = loaded.tokenizer.decode(kept[i] + response, skip_special_tokens=False)
+                sink.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                written, new = written + 1, new + len(response)
+            sink.flush()
+            note(f"responses {written}/{len(kept)}, {new:,} tokens, {time.perf_counter() - started:.0f} s")
+    seconds = time.perf_counter() - started
+    return {"documents": written, "skipped": len(encoded) - len(kept), "new_tokens": new, "seconds": seconds}
 
 
 def main() -> None:
