@@ -28,12 +28,15 @@ class TierCaches:
         self, parts: int, tails: list[tuple[int, ...]], out: list[list[Draft | None]], max_nodes: int
     ) -> list[list[int]]:
         """Fill `out` from the first `parts` tiers' caches; return, per tier, the contexts still to look up."""
+        if not self.size:  # no cache: every context with a tail is looked up, no lock taken
+            todo = [i for i, tail in enumerate(tails) if tail]
+            return [todo] + [todo.copy() for _ in range(parts - 1)]
         missing: list[list[int]] = []
         with self.lock:
             for part in range(parts):
                 cache, todo = self.tiers[part], []
                 for i, tail in enumerate(tails):
-                    found = cache.get(tail, _MISSING) if self.size else _MISSING
+                    found = cache.get(tail, _MISSING)
                     if found is _MISSING:
                         if tail:
                             todo.append(i)

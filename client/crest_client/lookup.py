@@ -95,6 +95,7 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
 batch_keys = candidate_keys  # the name earlier releases exported
 
 _STRUCT_CODES = {1: "B", 2: "H", 4: "I"}  # big-endian token widths struct packs in one call
+
 _M64 = (1 << 64) - 1
 
 
@@ -102,15 +103,15 @@ def decode_rows(rows: Sequence[tuple[int, bytes]], info: Any) -> tuple[list[Draf
     """Decode many (n, tree) rows of a version at once; return the drafts (None where corrupt) and the errors."""
     if not rows:
         return [], []
-    try:
-        if len(rows) < _BATCH_DECODE:
-            raise CodecError("few rows: the one-blob decoder is faster")
-        drafts: list[Draft | None] = list(decode_trees([t for _, t in rows], [n for n, _ in rows], table=info.table))
-        if all(_in_vocabulary(tree, draft, info) for (_, tree), draft in zip(rows, drafts, strict=True)):
-            return drafts, []
-    except CodecError:
-        pass
-    drafts, errors = [], []  # one by one: a corrupt tree is a miss, the others still draft
+    if len(rows) >= _BATCH_DECODE:  # below, the one-blob decoder is faster
+        try:
+            batch: list[Draft | None] = list(decode_trees([t for _, t in rows], [n for n, _ in rows], table=info.table))
+            if all(_in_vocabulary(tree, draft, info) for (_, tree), draft in zip(rows, batch, strict=True)):
+                return batch, []
+        except CodecError:
+            pass
+    drafts: list[Draft | None] = []  # one by one: a corrupt tree is a miss, the others still draft
+    errors: list[str] = []
     for n, tree in rows:
         try:
             draft = decode_tree(tree, n=int(n), table=info.table)

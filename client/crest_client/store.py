@@ -199,7 +199,8 @@ class Store:
         if time.monotonic() - self._checked > self._refresh_interval:
             self._switch_version()  # also on cache hits: a live tier published meanwhile is found
         out: list[list[Draft | None]] = [[None, None] for _ in contexts]
-        tails = [tuple(int(t) for t in ctx[-self.info.max_n :]) for ctx in contexts]
+        max_n = self.info.max_n
+        tails = [tuple(map(int, ctx[-max_n:])) for ctx in contexts]
         self.stats["lookups"] += len(contexts)
         for attempt in range(2):  # a second try after the version we knew was dropped
             infos = [self.info] + ([self.live] if live and self.live is not None else [])
@@ -242,9 +243,9 @@ class Store:
         if not probes:
             return {}
         self.stats["queries"] += 1
-        every = any(self._every(info) for info in infos)
+        everys = [self._every(info) for info in infos]
         single = len(infos) == 1 and len(set(params[0])) == 1  # a batch of one: the probe statement
-        name, query = _statement(tuple(info.id for info in infos), len(params[1]) if single else None, every)
+        name, query = _statement(tuple(info.id for info in infos), len(params[1]) if single else None, any(everys))
         if single:
             types, values = [_BYTEA] * len(params[1]), params[1]
         else:
@@ -252,21 +253,23 @@ class Store:
             values = [int4_array(p) if j % 2 == 0 else bytea_array(p) for j, p in enumerate(params)]
         res = self._conns.run_prepared(name, query, types, values)
         get = res.get_value
-        rows: list[Row] = [
-            (_int(get(r, 0)), _int(get(r, 1)), _int(get(r, 2)), _int(get(r, 3)), get(r, 4)) for r in range(res.ntuples)
+        rows: list[Row] = [  # a probe statement's context index is 0: its context's is the one looked up
+            (params[0][0] if single else _int(get(r, 0)), _int(get(r, 1)), _int(get(r, 2)), _int(get(r, 3)), get(r, 4))
+            for r in range(res.ntuples)
         ]
-        if single:
-            rows = [(params[0][0], *row[1:]) for row in rows]
         found: dict[tuple[int, int], Draft | None] = {}
         for part, info in enumerate(infos):
-            chosen = self._pick([row for row in rows if row[1] == part], info)
+            mine = rows if len(infos) == 1 else [row for row in rows if row[1] == part]
+            chosen = self._pick(mine, info, every=everys[part])
             for (i, *_), draft in zip(chosen, self._to_drafts([(r[2], r[4]) for r in chosen], info), strict=True):
                 found[(part, i)] = draft
         return found
 
-    def _pick(self, rows: list[Row], info: StoreInfo) -> list[Row]:
-        """Return one row per context: its longest stored suffix's, or the `expected` rule's choice among them."""
-        if not self._every(info):
+    def _pick(self, rows: list[Row], info: StoreInfo, *, every: bool) -> list[Row]:
+        """Return one row per context: its longest stored suffix's, or with `every` the `expected` rule's choice."""
+        if len(rows) < 2:
+            return rows
+        if not every:
             best: dict[int, Row] = {}
             for row in rows:  # longest first per context; a batch statement with `every` for another tier
                 if row[0] not in best or row[2] > best[row[0]][2]:
