@@ -35,9 +35,10 @@ def test_envelope_records_command_versions_and_rows(monkeypatch: pytest.MonkeyPa
     ],
     ids=["one-row-as-figures", "rows-as-table"],
 )
-def test_markdown_tables(rows: list[dict[str, object]], lines: list[str]) -> None:
+def test_markdown_tables(rows: list[dict[str, object]], lines: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", ["crest", "bench", "x"])  # a pytest-xdist worker's own argv is bare
     text = markdown(envelope("x", rows, started=time.time()), title="T")
-    assert text.startswith("# T\n") and "Command: `crest " in text
+    assert text.startswith("# T\n") and "Command: `crest bench x`" in text
     for line in lines:
         assert line in text.splitlines()
 
