@@ -43,7 +43,7 @@ BEGIN
   END LOOP;
   IF to_regclass('public.crest_learned') IS NOT NULL THEN
     EXECUTE format('GRANT INSERT (store, tokens, n_tokens, prompt_tokens, source, steps, new_tokens, draft_tokens,'
-                   ' accepted_tokens, accepted_parts) ON TABLE public.crest_learned'
+                   ' accepted_tokens, accepted_parts, dense_version, dense_first, dense) ON TABLE public.crest_learned'
                    ' TO %I', reader);  -- not id nor created_at: the log's order and times are the server's
   END IF;
   FOR item IN

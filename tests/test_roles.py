@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from crest.cli.app import app
 from crest.config import IngestOptions
 from crest.db import upgrade
-from crest.db.roles import LEARNED_INSERT_COLUMNS, create_roles
+from crest.db.roles import LEARNED_DENSE, LEARNED_INSERT_COLUMNS, create_roles
 from crest.db.schema import learned
 from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError
@@ -210,17 +210,17 @@ def test_the_reader_may_insert_learned_rows_with_figures_and_nothing_more(roles:
     assert _column_rights(roles.admin, roles.reader) == {"INSERT": set(LEARNED_INSERT_COLUMNS), "UPDATE": set()}
     with psycopg.connect(roles.reader_dsn, autocommit=True) as conn:
         conn.execute(
-            "INSERT INTO crest_learned (store, tokens, n_tokens, steps, new_tokens, accepted_parts)"
-            " VALUES ('s', '\\x01000000', 1, 2, 3, '{\"live\": 1}')"
+            "INSERT INTO crest_learned (store, tokens, n_tokens, steps, new_tokens, accepted_parts, dense_version,"
+            " dense_first, dense) VALUES ('s', '\\x01000000', 1, 2, 3, '{\"live\": 1}', 7, 0, '\\x003c')"
         )
     _refused(roles.reader_dsn, "UPDATE crest_learned SET accepted_parts = '{}'")
     _refused(
         roles.reader_dsn, "INSERT INTO crest_learned (store, tokens, n_tokens, created_at) VALUES ('s', '', 0, now())"
     )
     with psycopg.connect(roles.admin) as conn:
-        assert conn.execute("SELECT steps, new_tokens, accepted_parts FROM crest_learned").fetchall() == [
-            (2, 3, {"live": 1})
-        ]
+        assert conn.execute(
+            "SELECT steps, new_tokens, accepted_parts, dense_version FROM crest_learned"
+        ).fetchall() == [(2, 3, {"live": 1}, 7)]
 
 
 def _downgrade(dsn: str, revision: str) -> None:
@@ -315,8 +315,9 @@ def test_migration_0005_moves_the_parts_into_jsonb_with_their_rows_and_grants_an
                 row,
             )
     assert upgrade(roles.admin, revision="0005") == "0005"
-    assert _learned_columns(roles.admin) == [c.name for c in learned.columns]  # the schema module mirrors it
-    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS)
+    columns_0005 = [c.name for c in learned.columns if c.name not in LEARNED_DENSE]  # 0007 adds those
+    assert _learned_columns(roles.admin) == columns_0005  # the schema module mirrors it
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS) - set(LEARNED_DENSE)
     assert _column_rights(roles.admin, roles.writer)["INSERT"] == set()  # no append right before: none now
     want = [(3, {"static": 6, "prompt": 2}), (1, {}), (0, {}), (2, {"live": 4})]  # only the parts that held some
     assert _parts(roles.admin) == want
@@ -333,3 +334,26 @@ def test_migration_0005_moves_the_parts_into_jsonb_with_their_rows_and_grants_an
     assert _old_parts(roles.admin) == [*old_rows, (5, 0, 1, 0)]  # the three columns back; dense has none: lost
     assert upgrade(roles.admin, revision="0005") == "0005"  # and up again
     assert _parts(roles.admin) == [*want, (5, {"live": 1})]
+
+
+def test_migration_0007_adds_the_dense_columns_hands_them_to_appenders_and_goes_back(roles: Roles) -> None:
+    create_roles(roles.admin, reader=roles.reader, writer=roles.writer, reader_password=roles.password)
+    _downgrade(roles.admin, "0006")
+    assert not set(LEARNED_DENSE) & set(_learned_columns(roles.admin))
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS) - set(LEARNED_DENSE)
+    with psycopg.connect(roles.reader_dsn, autocommit=True) as conn:  # a row learned before
+        conn.execute("INSERT INTO crest_learned (store, tokens, n_tokens) VALUES ('s', '\\x01000000', 1)")
+    upgrade(roles.admin)
+    assert _learned_columns(roles.admin) == [c.name for c in learned.columns]  # the schema module mirrors it
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS)
+    with psycopg.connect(roles.reader_dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO crest_learned (store, tokens, n_tokens, dense_version, dense_first, dense)"
+            " VALUES ('s', '\\x0100000002000000', 2, 5, 0, '\\x003c')"
+        )
+    with psycopg.connect(roles.admin) as conn:
+        rows = conn.execute("SELECT dense_version, dense_first, dense FROM crest_learned ORDER BY id").fetchall()
+    assert rows == [(None, None, None), (5, 0, b"\x00\x3c")]  # the old row without vectors
+    _downgrade(roles.admin, "0006")
+    assert not set(LEARNED_DENSE) & set(_learned_columns(roles.admin))
+    assert _column_rights(roles.admin, roles.reader)["INSERT"] == set(LEARNED_INSERT_COLUMNS) - set(LEARNED_DENSE)

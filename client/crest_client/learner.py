@@ -10,8 +10,9 @@ drop the batch it was writing, count it and warn once per outage; the caller nev
 waits until everything queued so far is written or dropped; `close()` flushes and stops the thread (learners
 still open when the interpreter exits are closed then, waiting at most `EXIT_TIMEOUT` seconds each). A
 sequence may carry how its request went (`stats`: the integer columns named in `STATS`, and `accepted_<part>`
-for any drafter part, kept in the jsonb column `accepted_parts`); a batch without any writes the columns of
-schema 0003 only, so a database not yet upgraded still takes it.
+for any drafter part, kept in the jsonb column `accepted_parts`) and its positions' dense vectors (`DenseRows`,
+the columns named in `DENSE`, schema 0007); a batch without any writes the columns of schema 0003 only, so a
+database not yet upgraded still takes it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ STATS = (
     "accepted_tokens",  # draft nodes accepted
 )  # a learned row's figures of the request that served it (0 when not given)
 
+DENSE = (
+    "dense_version",  # the static store version whose dense part projected the vectors
+    "dense_first",  # the row position whose state is the first vector
+    "dense",  # the vectors, float16 little-endian [n, dims]: vector i is the state at position dense_first + i
+)  # a learned row's dense vectors (NULL when not given): a refresh builds the live tier's dense part from them
+
 PART_PREFIX = "accepted_"  # stats["accepted_<part>"]: accepted tokens the part's tree held along the accepted path
 PART_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # a drafter part's name: static, live, prompt, ...
 
@@ -54,6 +61,13 @@ INSERT_STATS_SQL = (
     f"INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source, {', '.join(STATS)}, accepted_parts)"
     f" SELECT %s, t, n, p, %s, {', '.join(STATS)}, a FROM unnest(%s::bytea[], %s::integer[], %s::integer[],"
     f" {', '.join(['%s::integer[]'] * len(STATS))}, %s::jsonb[]) AS u(t, n, p, {', '.join(STATS)}, a)"
+)
+
+INSERT_DENSE_SQL = (
+    f"INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source, {', '.join(STATS)}, accepted_parts,"
+    f" {', '.join(DENSE)}) SELECT %s, t, n, p, %s, {', '.join(STATS)}, a, {', '.join(DENSE)} FROM unnest(%s::bytea[],"
+    f" %s::integer[], %s::integer[], {', '.join(['%s::integer[]'] * len(STATS))}, %s::jsonb[], %s::integer[],"
+    f" %s::integer[], %s::bytea[]) AS u(t, n, p, {', '.join(STATS)}, a, {', '.join(DENSE)})"
 )
 
 EXIT_TIMEOUT = 5.0  # seconds an open learner may take to write its queue when the interpreter exits
@@ -72,6 +86,19 @@ class _Item:
     n_tokens: int
     prompt_tokens: int
     stats: tuple[tuple[int, ...], dict[str, int]] | None = None
+    dense: DenseRows | None = None
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """A served sequence's dense vectors: vector i [dims] is the hidden state at position `first + i`, projected.
+
+    `version` is the static store version whose dense part projected them (standardise, PCA, L2-normalise).
+    """
+
+    version: int
+    first: int
+    vectors: np.ndarray[Any, Any]  # [n, dims], stored as float16
 
 
 class Learner:
@@ -132,12 +159,14 @@ class Learner:
         *,
         prompt_tokens: int = 0,
         stats: Mapping[str, int] | None = None,
+        dense: DenseRows | None = None,
     ) -> None:
         """Queue one served sequence (its first `prompt_tokens` ids are context); never block, never raise.
 
         `stats` holds the request's figures by `STATS` name (others are 0) and `accepted_<part>` per drafter
         part (`split_stats`); a sequence with unknown names or values that are not integers in 0..2**31-1 is
-        dropped and counted, as bad ids are.
+        dropped and counted, as bad ids are. `dense` holds its positions' dense vectors; vectors that do not fit
+        the sequence (positions outside it, not one [n, dims] array) are left out and the sequence kept.
         """
         try:
             ids = np.asarray(token_ids)
@@ -155,7 +184,7 @@ class Learner:
         n = int(ids.size)
         if n == 0:
             return
-        item = _Item(0, data, n, min(max(0, int(prompt_tokens)), n), figures)
+        item = _Item(0, data, n, min(max(0, int(prompt_tokens)), n), figures, _fitting(dense, n))
         dropped_rows = dropped_tokens = 0
         with self._cond:
             if self._closing or n > self.max_pending_tokens:
@@ -230,14 +259,21 @@ class Learner:
         rows, tokens = len(batch), sum(item.n_tokens for item in batch)
         columns = [[item.tokens for item in batch], [item.n_tokens for item in batch]]
         columns.append([item.prompt_tokens for item in batch])
-        with_stats = any(item.stats is not None for item in batch)
+        with_dense = any(item.dense is not None for item in batch)
+        with_stats = with_dense or any(item.stats is not None for item in batch)
         if with_stats:
             figures = [item.stats or ((0,) * len(STATS), {}) for item in batch]
             columns.extend(list(column) for column in zip(*(values for values, _ in figures), strict=True))
             columns.append([Jsonb(parts) for _, parts in figures])
+        if with_dense:
+            dense = [item.dense for item in batch]
+            columns.append([d.version if d is not None else None for d in dense])
+            columns.append([d.first if d is not None else None for d in dense])
+            columns.append([d.vectors.astype("<f2").tobytes() if d is not None else None for d in dense])
+        query = INSERT_DENSE_SQL if with_dense else INSERT_STATS_SQL if with_stats else INSERT_SQL
         try:
             conn = self._connection()
-            conn.execute(INSERT_STATS_SQL if with_stats else INSERT_SQL, (self.store, self.source, *columns))
+            conn.execute(query, (self.store, self.source, *columns))
         except Exception as exc:  # down, slow, restarting or refusing: this batch is lost, serving goes on
             self._disconnect()
             with self._cond:
@@ -287,6 +323,21 @@ class Learner:
                 conn.close()
             except Exception as exc:
                 log.debug("learner %s: closing its connection: %s", self.store, exc)
+
+
+def _fitting(dense: DenseRows | None, n_tokens: int) -> DenseRows | None:
+    """Return the dense vectors when they are [n, dims] states of positions inside a sequence of n_tokens, else None."""
+    if dense is None:
+        return None
+    try:
+        vectors = np.asarray(dense.vectors)
+        first = int(dense.first)
+        if vectors.ndim != 2 or not vectors.shape[0] or first < 0 or first + vectors.shape[0] > n_tokens:
+            return None
+        return DenseRows(int(dense.version), first, vectors)
+    except Exception as exc:  # a caller's bad vectors are left out, the sequence is kept
+        log.debug("dense vectors left out: %s", exc)
+        return None
 
 
 def split_stats(stats: Mapping[str, int]) -> tuple[tuple[int, ...], dict[str, int]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from crest_client.learner import DENSE as LEARNED_DENSE
 from crest_client.learner import STATS as LEARNED_STATS
 from psycopg import sql
 
@@ -27,7 +28,12 @@ from crest import db
 from crest.config import check_store_name
 from crest.errors import ConfigError, DatabaseError
 
-LEARNED_INSERT_COLUMNS = ("store", "tokens", "n_tokens", "prompt_tokens", "source", *LEARNED_STATS, "accepted_parts")
+LEARNED_INSERT_COLUMNS = (
+    *("store", "tokens", "n_tokens", "prompt_tokens", "source"),
+    *LEARNED_STATS,
+    "accepted_parts",
+    *LEARNED_DENSE,
+)
 
 
 @dataclass

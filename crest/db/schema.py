@@ -93,6 +93,11 @@ learned = sa.Table(
     *(sa.Column(name, sa.Integer, nullable=False, server_default="0") for name in LEARNED_STATS),
     # part name -> accepted tokens that part's tree held along the accepted path (only non-zero ones)
     sa.Column("accepted_parts", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    # the row's positions' hidden states, projected by static version dense_version's dense part (float16
+    # [n, dims], the first at row position dense_first; crest_client.learner.DENSE), NULL when not recorded
+    sa.Column("dense_version", sa.Integer, nullable=True),
+    sa.Column("dense_first", sa.Integer, nullable=True),
+    sa.Column("dense", sa.LargeBinary, nullable=True),
 )
 sa.Index("crest_learned_store_id", learned.c.store, learned.c.id)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from crest_client.draft import Draft
-from crest_client.learner import Learner
+from crest_client.learner import DenseRows, Learner
 
 from crest.config import IngestOptions
 from crest.decoding.drafter import drafted_parts
@@ -81,5 +81,25 @@ def record_outcome(learner: Learner, future: Future[Any], *, max_n: int) -> None
     outcome = future.result()
     if outcome.cancelled or not outcome.result.output_token_ids:
         return
-    ids, prompt_tokens = served_tokens(outcome.result.prompt_token_ids, outcome.result.output_token_ids, max_n=max_n)
-    learner.learn(ids, prompt_tokens=prompt_tokens, stats=request_stats(outcome))
+    result = outcome.result
+    ids, prompt_tokens = served_tokens(result.prompt_token_ids, result.output_token_ids, max_n=max_n)
+    dense = served_dense(outcome, cut=len(result.prompt_token_ids) - prompt_tokens, n_tokens=len(ids))
+    learner.learn(ids, prompt_tokens=prompt_tokens, stats=request_stats(outcome), dense=dense)
+
+
+def served_dense(outcome: Any, *, cut: int, n_tokens: int) -> DenseRows | None:
+    """Return a finished request's recorded states as its learned row's dense vectors, or None.
+
+    The learned row is prompt + output without its first `cut` ids; a state at row position p predicted the
+    row's token p + 1, so only states of positions 0 .. n_tokens - 2 are kept (the last emitted states may
+    predict tokens the request did not keep: eos, a stop string, the length limit).
+    """
+    vectors, meta = getattr(outcome, "dense", None), getattr(outcome, "dense_version", None)
+    if vectors is None or meta is None:
+        return None
+    first = int(outcome.dense_from) - cut - 1  # row position of the first vector's state
+    skip = max(0, -first)
+    keep = max(0, min(len(vectors), n_tokens - 1 - first) - skip)
+    if keep == 0:
+        return None
+    return DenseRows(int(meta), first + skip, vectors[skip : skip + keep])

@@ -7,7 +7,8 @@ batch in one pipeline. A store's dense part is opened once too (`open_dense`, it
 one) and each row that drafts from it gets a `DenseLease`, so the scheduler searches the whole batch's hidden
 states in one statement. A request's drafter is the registry's drafter on those leases, merged with a drafter over
 the request's predicted output when it has one. With `learning`, each opened store gets a `Learner` that `submit`
-feeds with the store's finished requests, and a `Refresher` rebuilds the live tiers.
+feeds with the store's finished requests (with the projected hidden states of their tokens when the store has a
+dense part of the served model: the live tier's dense entries), and a `Refresher` rebuilds the live tiers.
 """
 
 from __future__ import annotations
@@ -87,12 +88,14 @@ class Engine:
         self.default_drafter = drafter if store or not kind_of(drafter).needs else "prompt"
         self._stores: dict[str, Any] = {}
         self._dense: dict[str, DenseIndex] = {}
+        self._no_dense: set[str] = set()  # opened stores without a dense part of this model
         self._learners: dict[str, Learner] = {}
         self.refresher: Refresher | None = None
         if learning is not None and learning.refresh_interval > 0:
             self.refresher = Refresher(
                 dsn, self.opened, interval=learning.refresh_interval, window=learning.window,
                 min_new_tokens=learning.refresh_min_tokens, on_result=partial(self._observe, "observe_refresh"),
+                dense_window=learning.dense_window,
             )  # fmt: skip
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -162,6 +165,19 @@ class Engine:
                 self._dense[name] = found
             return found
 
+    def learn_dense(self, name: str) -> Any:
+        """Return the projection (`DenseMeta`) that records store `name`'s served states, or None: no dense part."""
+        with self._lock:
+            if name in self._no_dense:
+                return None
+        try:
+            return self.dense_index(name).meta  # None while its database does not answer
+        except Exception as exc:  # no dense part, or another model's: the store learns its tokens only
+            log.info("store %r learns no dense entries: %s", name, exc)
+            with self._lock:
+                self._no_dense.add(name)
+            return None
+
     def _records(self) -> bool:
         return self.learning is not None and self.learning.record
 
@@ -177,9 +193,11 @@ class Engine:
 
     def submit(self, job: Request, *, learn: bool = True) -> Future[Outcome]:
         """Queue a request (QueueFull, ShuttingDown); once finished it teaches its store when learning is on."""
-        future = self.scheduler.submit(job)
         name = job.store
         learner = self.learner(name) if learn and name else None
+        if learner is not None and name is not None and job.learn_dense is None:
+            job.learn_dense = self.learn_dense(name)
+        future = self.scheduler.submit(job)
         if learner is not None and name is not None:
             max_n = store_max_n(self._stores.get(name))
             future.add_done_callback(partial(record_outcome, learner, max_n=max_n))

@@ -5,7 +5,8 @@
 `step()` admits waiting requests up to `max_batch` (each prefilled alone and merged into the `BatchCache`), drops
 cancelled rows, drafts for all rows (stores looked up in one pipeline per store; rows whose drafter queries with
 hidden states get the one that predicted their last token, and their dense lookups go as one ANN statement per
-dense index), sizes the drafts for the batch, runs one target forward, accepts per row exactly as
+dense index; a row recording for its store's live dense part keeps the projected state behind each token it
+emits, from the same gather), sizes the drafts for the batch, runs one target forward, accepts per row exactly as
 `SpeculativeGenerator` does (its own `accept` and `commit` steps: greedy argmax, or the row's own seeded generator)
 and finishes rows that stopped. One row's failure fails that request only. `run()` loops `step()` in the thread
 that owns the model; `close()` drains. Tests drive `step()` directly.
@@ -24,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from crest_client.draft import Draft, empty_draft
 
@@ -64,6 +66,7 @@ class Request:
     leases: Sequence[StoreLease] = ()  # the store views inside `drafter`, filled once per step for the batch
     dense: Sequence[DenseLease] = ()  # the dense-index views inside `drafter`, searched once per step for the batch
     store: str | None = None  # the store the request belongs to: it drafts from it and, learning, teaches it
+    learn_dense: Any = None  # a `DenseMeta`: project the states of its tokens for the store's live dense part
     on_text: Callable[[str], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -77,6 +80,9 @@ class Outcome:
     rejected_draft_tokens: int
     cancelled: bool = False
     accepted_parts: dict[str, int] = field(default_factory=dict)  # accepted tokens each part's tree held
+    dense: np.ndarray | None = None  # [n, D] float16 projected states (`Request.learn_dense`), None: not recorded
+    dense_from: int = 0  # index in prompt + output of the token the first of them predicted
+    dense_version: int | None = None  # the static store version whose dense part projected them
 
 
 @dataclass
@@ -88,6 +94,8 @@ class _Row:
     future: Future[Outcome]
     accepted: int = 0
     parts: dict[str, int] = field(default_factory=dict)  # accepted tokens per drafter part (`tally_parts`)
+    dense: list[np.ndarray] = field(default_factory=list)  # [k, D] float16 projected states, one block a step
+    dense_from: int = 0
 
 
 class _NoCache:
@@ -224,13 +232,14 @@ class Scheduler:
                 continue
             try:
                 row.state.started = time.perf_counter()
-                if wants_hidden(row.request.drafter):
+                if wants_hidden(row.request.drafter) or row.request.learn_dense is not None:
                     row.state.tap = model_tap(self.gen.model)  # hooked here, in the thread that runs the model
                 self.batch.prefill(row.state.prompt)
                 row.state.prefill_seconds = time.perf_counter() - row.state.started
                 row.state.cache = _NoCache()
                 if row.state.tap is not None and len(row.state.prompt) > 1:  # else no forward ran: unknown
                     row.state.hidden = row.state.tap.row(-1)
+                self._record_prefill(row)
             except Exception as exc:
                 self._fail(row, exc)
                 continue
@@ -312,13 +321,26 @@ class Scheduler:
         return self.policy.size(drafts)
 
     def _keep_hidden(self, accepted: list[list[int]]) -> None:
-        """Keep each hidden-state row's state at its last accepted slot (root: 0): it predicted the token after."""
+        """Keep each hidden-state row's state at its last accepted slot (root: 0): it predicted the token after.
+
+        A row that records its states (`Request.learn_dense`) gets those of the root and of every accepted slot
+        (each predicted one emitted token), projected, in the same gather.
+        """
         rows = [r for r, row in enumerate(self._rows) if row.state.tap is not None]
         if not rows:
             return
-        found = self._rows[rows[0]].state.tap.rows(rows, [accepted[r][-1] if accepted[r] else 0 for r in rows])
-        for i, r in enumerate(rows):
-            self._rows[r].state.hidden = found[i] if found is not None else None
+        pairs: list[tuple[int, int]] = []  # (batch row, slot) to gather
+        ends: list[int] = []  # per tapped row: one past its last pair
+        for r in rows:
+            slots = [0, *accepted[r]] if self._rows[r].request.learn_dense is not None else accepted[r][-1:] or [0]
+            pairs.extend((r, slot) for slot in slots)
+            ends.append(len(pairs))
+        found = self._rows[rows[0]].state.tap.rows([r for r, _ in pairs], [slot for _, slot in pairs])  # [P, H]
+        for r, start, end in zip(rows, [0, *ends[:-1]], ends, strict=True):
+            row = self._rows[r]
+            row.state.hidden = found[end - 1] if found is not None else None
+            if found is not None and row.request.learn_dense is not None:
+                row.dense.append(_projected(row.request.learn_dense, found[start:end]))
 
     def _feed_hidden(self) -> None:
         """Hand each hidden-state row's drafter its state; search all rows' dense leases, one statement per index."""
@@ -334,6 +356,16 @@ class Scheduler:
                 states.extend([state.hidden] * len(row.request.dense))
         if leases:
             prefetch_dense(leases, states)
+
+    def _record_prefill(self, row: _Row) -> None:
+        """Start a recording row's states with its prefill state (it predicted the prompt's last token)."""
+        state, meta = row.state, row.request.learn_dense
+        if meta is None:
+            return
+        row.dense_from = len(state.prompt)
+        if state.hidden is not None:
+            row.dense.append(_projected(meta, state.hidden[None, :]))
+            row.dense_from -= 1
 
     def _remove(self, indices: list[int]) -> None:
         if not indices:
@@ -352,6 +384,9 @@ class Scheduler:
             self._fail(row, exc)
             return
         outcome = Outcome(result, row.accepted, state.draft_tokens - row.accepted, cancelled, dict(row.parts))
+        if row.dense:
+            outcome.dense, outcome.dense_from = np.concatenate(row.dense), row.dense_from
+            outcome.dense_version = int(row.request.learn_dense.store_id)
         if self.metrics is not None:
             self.metrics.observe_done(outcome)
         row.future.set_result(outcome)
@@ -365,3 +400,8 @@ class Scheduler:
     def _report_depth(self) -> None:
         if self.metrics is not None:
             self.metrics.observe_queue(queued=self._queued, active=len(self._rows))
+
+
+def _projected(meta: Any, hidden: np.ndarray) -> np.ndarray:
+    """Return hidden states [k, H] projected by a dense part (standardise, PCA, normalise) as float16 [k, D]."""
+    return np.asarray(meta.project(hidden), dtype=np.float16)
