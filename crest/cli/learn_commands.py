@@ -10,7 +10,7 @@ import typer
 
 from crest.cli.options import Dsn, Json, StoreName
 from crest.cli.store_commands import database
-from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T
+from crest.config import DEFAULT_LEARN_DENSE_WINDOW, DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T
 
 Window = Annotated[
     int,
@@ -20,6 +20,17 @@ Window = Annotated[
         envvar="CREST_LEARN_WINDOW",
         show_envvar=True,
         help="Build the live version from the store's last W learned tokens.",
+    ),
+]
+
+DenseWindow = Annotated[
+    int,
+    typer.Option(
+        "--dense-window",
+        "--learn-dense-window",
+        envvar="CREST_LEARN_DENSE_WINDOW",
+        show_envvar=True,
+        help="With a dense part: the live version's holds the last N hidden states servers recorded (0: none).",
     ),
 ]
 
@@ -49,6 +60,7 @@ def learn(
 def refresh(
     store: StoreName,
     window: Window = DEFAULT_LEARN_WINDOW,
+    dense_window: DenseWindow = DEFAULT_LEARN_DENSE_WINDOW,
     min_new_tokens: Annotated[
         int, typer.Option(help="Skip unless at least this many tokens were learned since the live version.")
     ] = 0,
@@ -75,6 +87,7 @@ def refresh(
         database(dsn),
         store,
         window=window,
+        dense_window=dense_window,
         min_new_tokens=min_new_tokens,
         min_count=min_count,
         max_ngrams=max_ngrams,
@@ -91,6 +104,7 @@ def refresh(
             f" {done.from_id}..{done.through_id} ({done.rows:,} rows, {done.tokens:,} tokens,"
             f" {done.new_rows:,} new): {done.ngrams:,} n-grams, {size:,.1f} MB;"
             f" {done.mode} build, {done.reused:,} rows copied, {done.built:,} built in {done.seconds:.1f} s"
+            + (f"; {done.dense_rows:,} dense entries" if done.dense_rows else "")
         )
 
 

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Device, Dsn, Dtype, MaxDraftTokens, Model, OptionalStore, ReadDsn
-from crest.config import DEFAULT_LEARN_WINDOW
+from crest.config import DEFAULT_LEARN_DENSE_WINDOW, DEFAULT_LEARN_WINDOW
 
 
 def serve(
@@ -42,6 +42,13 @@ def serve(
         int,
         typer.Option(envvar="CREST_LEARN_WINDOW", help="Refreshes build the live tier from the last W learned tokens."),
     ] = DEFAULT_LEARN_WINDOW,
+    learn_dense_window: Annotated[
+        int,
+        typer.Option(
+            envvar="CREST_LEARN_DENSE_WINDOW",
+            help="With a dense part, refreshes build the live tier's from the last N recorded hidden states.",
+        ),
+    ] = DEFAULT_LEARN_DENSE_WINDOW,
     refresh_interval: Annotated[
         float,
         typer.Option(envvar="CREST_REFRESH_INTERVAL", help="Seconds between live-tier refreshes (0: never, here)."),
@@ -57,7 +64,11 @@ def serve(
     from crest.serving.server import serve as serve_forever
 
     learning = LearnOptions(
-        record=learn, window=learn_window, refresh_interval=refresh_interval, refresh_min_tokens=refresh_min_tokens
+        record=learn,
+        window=learn_window,
+        refresh_interval=refresh_interval,
+        refresh_min_tokens=refresh_min_tokens,
+        dense_window=learn_dense_window,
     )
     options = ServeOptions(
         model=model, store=store, drafter=drafter, host=host, port=port, max_batch=max_batch, max_queue=max_queue,

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -148,11 +148,12 @@ def build_store(
     token_table: TokenTable | None = None,
     reuse: Reuse | None = None,
     dense: DenseOptions | None = None,
+    before_publish: Callable[[db.Build], None] | None = None,
 ) -> IngestSummary:
     """Count, select (n-grams seen `min_count` times or more), build trees, load and publish a version of `store`.
 
     `token_table` replaces the ranking of the tokens by their count here; with a fixed top-t, `reuse` copies rows
-    instead of building them.
+    instead of building them; `before_publish` adds a part to the version (the live tier's dense entries).
     """
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
     options = check_ingest(options, store=store, chunk_tokens=chunk_tokens)
@@ -202,6 +203,11 @@ def build_store(
             build_dense(build, tokens, offsets, options=dense, fingerprint=vocabulary.fingerprint, reporter=rep)
             seconds["dense"] = time.perf_counter() - t1
             t0 += seconds["dense"]  # index_publish counts the n-gram part's indexing and the publication only
+        if before_publish is not None:
+            t1 = time.perf_counter()
+            before_publish(build)
+            seconds["dense"] = time.perf_counter() - t1
+            t0 += seconds["dense"]
         sizes = build.table_bytes()
         summary = IngestSummary(
             store=store,

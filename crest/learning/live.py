@@ -9,8 +9,10 @@ vocabulary copied from it) and build options, keeping the n-grams seen at least 
 not follow the window, so a refresh is incremental (see `crest.learning.incremental`): the rows of n-grams
 that no new or departed learned row touches are copied from the previous live version, the rest are built,
 and the result equals a full rebuild of the window; `params["build"]` records which it was, the rows reused
-and built. It is published in one transaction that retires only the previous live version, so a refresh
-killed at any point leaves the previous live version published; the retired one is then dropped.
+and built. When the static version has a dense part, the live version gets one too, from the last
+`dense_window` hidden states a server recorded with the tokens it served (`crest.learning.live_dense`). It is
+published in one transaction that retires only the previous live version, so a refresh killed at any point
+leaves the previous live version (and its dense part) published; the retired one is then dropped.
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from typing import Any
 import psycopg
 
 from crest import db
-from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_TOP_T, IngestOptions, check_store_name
+from crest.config import (
+    DEFAULT_LEARN_DENSE_WINDOW,
+    DEFAULT_LEARN_WINDOW,
+    DEFAULT_TOP_T,
+    IngestOptions,
+    check_store_name,
+)
 from crest.db.versions import refresh_lock_key
 from crest.errors import ConfigError, StoreNotFound
 from crest.ingest.loader import Reporter
 from crest.ingest.pipeline import CHUNK_TOKENS, Vocabulary, build_store
 from crest.learning.incremental import LIVE_TABLE, PreviousRows, live_token_table, plan, read_learned
 from crest.learning.journal import new_since
+from crest.learning.live_dense import live_dense
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,7 @@ class RefreshResult:
     mode: str = "full"  # or incremental: rows copied from the replaced live version
     reused: int = 0
     built: int = 0
+    dense_rows: int = 0  # entries of its dense part (`crest.learning.live_dense`; 0: none)
 
 
 def refresh_live(
@@ -68,14 +78,19 @@ def refresh_live(
     chunk_tokens: int = CHUNK_TOKENS,
     reporter: Reporter | None = None,
     incremental: bool = True,
+    dense_window: int = DEFAULT_LEARN_DENSE_WINDOW,
 ) -> RefreshResult | None:
-    """Build and publish a live version of `store` from its last `window` learned tokens; None when skipped."""
+    """Build and publish a live version of `store` from its last `window` learned tokens; None when skipped.
+
+    With a dense part in the static version, the live version gets one from the last `dense_window` recorded states.
+    """
     check_store_name(store)
     for label, value, low in (
         ("--window", window, 1),
         ("--min-new-tokens", min_new_tokens, 0),
         ("--min-count", min_count, 1),
         ("--max-ngrams", max_ngrams, 1),
+        ("--dense-window", dense_window, 0),
     ):
         if value < low:
             raise ConfigError(f"{label} must be at least {low}, got {value}")
@@ -96,6 +111,7 @@ def refresh_live(
                 chunk_tokens=chunk_tokens,
                 reporter=reporter,
                 incremental=incremental,
+                dense_window=dense_window,
             )
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", refresh_lock_key(store))
@@ -113,6 +129,7 @@ def _refresh(
     chunk_tokens: int,
     reporter: Reporter | None,
     incremental: bool,
+    dense_window: int,
 ) -> RefreshResult | None:
     db.clean_leftovers(conn, name=store, tier="live")  # a killed refresh's build
     static = published_version(conn, store, "static")
@@ -153,7 +170,9 @@ def _refresh(
         "static_version": int(static["id"]),
         "window_rows": win.rows,
         "token_table": LIVE_TABLE,
+        "dense_window": dense_window,
     }
+    dense = live_dense(conn, store, static_id=int(static["id"]), through_id=newest, window=dense_window)
     summary = build_store(
         win.tokens,
         win.offsets,
@@ -169,6 +188,7 @@ def _refresh(
         chunk_tokens=chunk_tokens,
         token_table=live_token_table(conn, int(static["id"]), vocab_size),
         reuse=reuse,
+        before_publish=dense.build if dense is not None else None,
     )
     db.clean_leftovers(conn, name=store, tier="live")  # the live version it replaced
     return RefreshResult(
@@ -187,6 +207,7 @@ def _refresh(
         mode="full" if how.previous is None else "incremental",
         reused=reuse.reused,
         built=summary.rows - reuse.reused,
+        dense_rows=dense.rows if dense is not None else 0,
     )
 
 

@@ -15,7 +15,12 @@ from collections.abc import Callable, Iterable
 
 from crest_client.names import resolve_dsn
 
-from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_REFRESH_INTERVAL, DEFAULT_REFRESH_MIN_TOKENS
+from crest.config import (
+    DEFAULT_LEARN_DENSE_WINDOW,
+    DEFAULT_LEARN_WINDOW,
+    DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_REFRESH_MIN_TOKENS,
+)
 from crest.learning.live import refresh_live
 
 log = logging.getLogger(__name__)
@@ -33,9 +38,10 @@ class Refresher:
         window: int = DEFAULT_LEARN_WINDOW,
         min_new_tokens: int = DEFAULT_REFRESH_MIN_TOKENS,
         on_result: Callable[[str], None] | None = None,
+        dense_window: int = DEFAULT_LEARN_DENSE_WINDOW,
     ) -> None:
         self.dsn, self.stores, self.interval = dsn, stores, float(interval)
-        self.window, self.min_new_tokens = window, int(min_new_tokens)
+        self.window, self.min_new_tokens, self.dense_window = window, int(min_new_tokens), dense_window
         self.on_result = on_result
         self.counts = {"published": 0, "nothing": 0, "failed": 0}
         self._warned: set[str] = set()
@@ -64,6 +70,7 @@ class Refresher:
                     name,
                     window=self.window,
                     min_new_tokens=self.min_new_tokens,
+                    dense_window=self.dense_window,
                 )
                 results[name] = "nothing" if found is None else "published"
             except Exception as exc:  # a database that is down or a failed build costs this refresh only

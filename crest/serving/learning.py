@@ -13,7 +13,12 @@ import os
 import socket
 from dataclasses import dataclass
 
-from crest.config import DEFAULT_LEARN_WINDOW, DEFAULT_REFRESH_INTERVAL, DEFAULT_REFRESH_MIN_TOKENS
+from crest.config import (
+    DEFAULT_LEARN_DENSE_WINDOW,
+    DEFAULT_LEARN_WINDOW,
+    DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_REFRESH_MIN_TOKENS,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class LearnOptions:
     refresh_min_tokens: int = DEFAULT_REFRESH_MIN_TOKENS
     max_pending_tokens: int = 1_000_000  # per store: tokens waiting to be written, beyond which the oldest go
     flush_interval: float = 1.0  # seconds between the learners' writes
+    dense_window: int = DEFAULT_LEARN_DENSE_WINDOW  # recorded hidden states a live dense part holds (0: none)
 
 
 def server_source() -> str:

@@ -46,6 +46,8 @@ class ServeOptions:
         learning = self.learning
         if learning.window < 1 or learning.refresh_interval < 0 or learning.refresh_min_tokens < 0:
             raise ConfigError("--learn-window must be >= 1, --refresh-interval >= 0 and --refresh-min-tokens >= 0")
+        if learning.dense_window < 0:
+            raise ConfigError(f"--learn-dense-window must be >= 0, got {learning.dense_window}")
         return replace(self, drafter=check_drafter(self.drafter, where="serve", store=self.store))
 
 
