@@ -111,6 +111,8 @@ def test_spark_refuses_backoff_before_any_work() -> None:
     ):
         check_ingest(options, store="s", engine="spark")
     assert check_ingest(options, store="s").suffix_rule == "backoff"
+    with pytest.raises(ConfigError, match="not --suffix-rule auto"):  # its held-out choice runs in process only
+        check_ingest(IngestOptions(top_t=10, suffix_rule="auto"), store="s", engine="spark")
     pruned = IngestOptions(top_t=10, suffix_rule="prune")  # prune runs on Spark too (tests/test_spark.py)
     assert check_ingest(pruned, store="s", engine="spark").suffix_rule == "prune"
     with pytest.raises(ConfigError, match="unknown --suffix-rule 'merged'"):
@@ -218,7 +220,7 @@ def test_an_unknown_suffix_rule_is_refused_by_the_cli(
     monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
     monkeypatch.setenv("CREST_BUILD_SUFFIX_RULE", "pruned")
     code, _, err = run(monkeypatch, capsys, "ingest", str(corpus), "--store", "s", "--tokenizer", str(tokenizer))
-    assert code == 2 and "unknown --suffix-rule 'pruned': use lookup, backoff or prune" in err
+    assert code == 2 and "unknown --suffix-rule 'pruned': use lookup, backoff, prune or auto" in err
     assert "Traceback" not in err
 
 

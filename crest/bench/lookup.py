@@ -89,13 +89,21 @@ def tree_source(dsn: str, handle: Store, suffix: list[int], rule: str) -> str:
     query = psycopg.sql.SQL("SELECT n, count FROM {} WHERE key = ANY(%s) ORDER BY n DESC").format(
         psycopg.sql.Identifier(f"crest_ngrams_s{handle.info.id}")
     )
+    chosen = ""
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(query, (keys,)).fetchall()
+        if built == "auto":  # which rule the build chose on its held-out slice (crest.ingest.suffix_choice)
+            got = conn.execute("SELECT figures->'suffix_choice' FROM crest_stores WHERE id = %s", (handle.info.id,))
+            chosen = ((got.fetchone() or [None])[0] or {}).get("rule", "?")
     counts = {int(n): int(c) for n, c in rows}
     own = counts.pop(len(suffix), 0)
     shorter = ", ".join(f"n={n}: seen {c}" for n, c in counts.items())
-    if built == "prune":
-        return f"its own occurrences (seen {own}), kept at ingest (prune): the suffix the expected rule chooses, " + (
+    if built == "auto" and chosen == "longest":
+        return f"its own occurrences (seen {own}): the longest stored suffix, the rule auto chose at ingest"
+    if built == "auto":
+        built = "auto: prune"
+    if built in ("prune", "auto: prune"):
+        return f"its own occurrences (seen {own}), kept at ingest ({built}): the suffix the expected rule chooses, " + (
             f"over its kept shorter suffixes ({shorter})" if shorter else "no shorter suffix is kept"
         )
     if not shorter:

@@ -38,6 +38,7 @@ from crest.ingest.publishing import (
     prepared,
     publish_summary,
 )
+from crest.ingest.suffix_choice import split_held_out
 from crest.ingest.suffixes import resolve_build
 from crest.ingest.tokenizer import tokenize_corpus
 
@@ -158,6 +159,10 @@ def build_store(
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
     options = check_ingest(options, store=store, chunk_tokens=chunk_tokens)
     report = report or CorpusReport(documents=len(offsets) - 1)
+    held = None
+    if options.suffix_rule == "auto":  # a slice of the corpus left out to choose the rule on: suffix_choice
+        tokens, offsets, *rest = split_held_out(tokens, offsets, seed=options.seed)
+        held = (rest[0], rest[1])
     rep = reporter or SilentReporter()
     seconds = {} if seconds is None else seconds
     t0 = time.perf_counter()
@@ -186,6 +191,7 @@ def build_store(
             table=loader.table,
             width=loader.width,
             decided=reuse.decided if reuse is not None else (),
+            held=held,
         )
         if resolved is not None:
             loader.nodes, loader.blob_bytes = resolved.nodes, resolved.blob_bytes
@@ -227,6 +233,7 @@ def build_store(
             index_bytes=sizes["index_bytes"],
             seconds=seconds,
             top_t=top_t,
+            suffix_choice=resolved.choice if resolved is not None else None,
         )
         if reuse is not None:
             reuse.record(build, summary)

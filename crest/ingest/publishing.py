@@ -54,6 +54,7 @@ class IngestSummary:
     seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0
     top_t: int | None = None
+    suffix_choice: dict[str, Any] | None = None  # `--suffix-rule auto`: crest.ingest.suffix_choice.Choice
 
     @property
     def rows(self) -> int:
@@ -105,9 +106,9 @@ def check_ingest(
             f"--engine {engine} keeps n-grams by {' or '.join(ENGINE_KEEP_RULES[engine])} only, not by "
             f"{options.keep!r}: use --keep count or --engine inprocess"
         )
-    if engine == "spark" and options.suffix_rule == "backoff":  # crest.ingest.suffixes' back-off runs in process
+    if engine == "spark" and options.suffix_rule in ("backoff", "auto"):  # these run in process only
         raise ConfigError(
-            "--engine spark stores each n-gram's own tree only, not --suffix-rule backoff: "
+            f"--engine spark stores each n-gram's own tree only, not --suffix-rule {options.suffix_rule}: "
             "use --suffix-rule lookup or prune, or --engine inprocess"
         )
     if chunk_tokens < 1:

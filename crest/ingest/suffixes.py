@@ -22,13 +22,14 @@ the most promising of its stored proper suffixes (1-grams, with none, always sta
 the row alone, so the longest kept suffix of any context is the suffix `expected` chooses on the whole build: one
 row per lookup drafts what `expected` drafts, from the rows that can win. The decision is made on every row
 (copied ones too): it depends only on the rows built, which an incremental refresh builds as a full one does. The
-Spark engine applies the same `kept_by_prune` on its executors (`crest.ingest.spark_prune`).
+Spark engine applies the same `kept_by_prune` on its executors (`crest.ingest.spark_prune`). With `--suffix-rule
+auto` the build prunes, or keeps every row, whichever drafts better on a held-out slice (`crest.ingest.suffix_choice`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 from crest_client.choice import rank
@@ -40,6 +41,7 @@ from psycopg import sql
 
 from crest import db
 from crest.config import IngestOptions
+from crest.ingest.suffix_choice import choose_rule
 
 BACKOFF_SCALE = 127  # integer weight of a back-off tree's whole mass: weights 1..127
 
@@ -54,6 +56,7 @@ class Resolved(NamedTuple):
     nodes: int
     blob_bytes: int
     dropped: dict[bytes, int]  # key -> count of each row deleted (`prune`)
+    choice: dict[str, Any] | None = None  # `auto`: crest.ingest.suffix_choice.Choice's figures
 
 
 def backoff_share(count: int, followers: int, *, max_matches: int) -> float:
@@ -92,10 +95,12 @@ def resolve_build(
     table: TokenTable,
     width: int,
     decided: Collection[bytes] = (),
+    held: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Resolved | None:
     """Rewrite the build's rows as `options.suffix_rule` decides; return what is left (None with `lookup`).
 
-    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row).
+    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row); `held`
+    the held-out (tokens, offsets) `auto` chooses on (`crest.ingest.suffix_choice`).
     """
     if options.suffix_rule == "lookup":
         return None
@@ -106,8 +111,22 @@ def resolve_build(
         ).fetchall()
     rows: list[Row] = [(bytes(k), int(n), int(c), bytes(t)) for k, n, c, t in found]
     dropped: dict[bytes, int] = {}
-    if options.suffix_rule == "prune":
+    choice = None
+    if options.suffix_rule in ("prune", "auto"):
         keep = prune_mask(rows, width=width, max_matches=options.max_matches)
+        if options.suffix_rule == "auto":
+            choice = choose_rule(
+                rows,
+                keep,
+                held or (np.zeros(0, np.int32), np.zeros(1, np.int64)),
+                width=width,
+                max_n=options.max_n,
+                length=options.continuation_length,
+                table=table if options.blob_format == 2 else None,
+                seed=options.seed,
+            ).figures()
+            if choice["rule"] == "longest":  # every row stays, read by its longest stored suffix: no rewrite
+                return Resolved(sum(tree_nodes(r[3]) for r in rows), sum(len(r[3]) for r in rows), {}, choice)
         dropped = {r[0]: r[2] for r, kept in zip(rows, keep, strict=True) if not kept}
         rows = [r for r, kept in zip(rows, keep, strict=True) if kept]
         nodes = sum(tree_nodes(r[3]) for r in rows)
@@ -118,7 +137,7 @@ def resolve_build(
     with build.conn.transaction():
         build.conn.execute(sql.SQL("TRUNCATE {}").format(ngrams))
     build.copy_ngrams(_rows(rows))
-    return Resolved(nodes, sum(len(r[3]) for r in rows), dropped)
+    return Resolved(nodes, sum(len(r[3]) for r in rows), dropped, choice)
 
 
 def prune_mask(rows: Sequence[Row], *, width: int, max_matches: int) -> list[bool]:

@@ -230,7 +230,7 @@ def live_suffix_rule(static_rule: str) -> str:
     The live tier is read by its longest stored suffix (`crest_client.store`); pruning by the `expected` rule's
     choice would drop exactly the long, fresh rows it drafts from, so a pruned static store gets an unpruned live tier.
     """
-    return "lookup" if static_rule == "prune" else static_rule
+    return "lookup" if static_rule in ("prune", "auto") else static_rule
 
 
 def static_options(params: dict[str, Any]) -> IngestOptions:

@@ -1,0 +1,122 @@
+"""`--suffix-rule auto` (`crest.ingest.suffix_choice`): the rule chosen on a held-out slice of the corpus itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+from crest_client import Store
+from crest_client.codec import encode_tree
+
+from crest.bench.lookup import tree_source
+from crest.config import IngestOptions
+from crest.decoding.tokenizer import load_tokenizer
+from crest.ingest.pipeline import build_store
+from crest.ingest.publishing import Vocabulary
+from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, split_held_out
+from crest.ingest.suffixes import prune_mask
+from tests.fix_corpus import make_word_tokenizer
+from tests.fix_learning import published, version_rows
+
+WORDS = [f"w{i}" for i in range(40)]
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    return np.r_[0, np.cumsum(lengths)].astype(np.int64)
+
+
+def test_split_holds_out_whole_documents_seeded() -> None:
+    lengths = [100 + d % 7 for d in range(300)]
+    offsets = _offsets(lengths)
+    tokens = np.arange(int(offsets[-1]), dtype=np.int32)  # token i at position i: documents are recognisable
+    bt, bo, ht, ho = split_held_out(tokens, offsets, seed=3)
+    docs = [tuple(tokens[offsets[d] : offsets[d + 1]].tolist()) for d in range(300)]
+    built = [tuple(bt[bo[d] : bo[d + 1]].tolist()) for d in range(bo.shape[0] - 1)]
+    held = [tuple(ht[ho[d] : ho[d + 1]].tolist()) for d in range(ho.shape[0] - 1)]
+    assert sorted(built + held) == docs and set(built).isdisjoint(held)
+    assert len(held) >= 1 and int(ho[-1]) - max(lengths) < HELD_FRACTION * int(offsets[-1]) <= int(ho[-1])
+    assert [d.tolist() for d in split_held_out(tokens, offsets, seed=3)] == [
+        bt.tolist(),
+        bo.tolist(),
+        ht.tolist(),
+        ho.tolist(),
+    ]
+    assert split_held_out(tokens, offsets, seed=4)[2].tolist() != ht.tolist()
+    one = split_held_out(tokens[:100], _offsets([100]), seed=3)
+    assert one[0].tolist() == tokens[:100].tolist() and one[3].tolist() == [0]  # one document: nothing held out
+
+
+def _row(tokens: list[int], tree: int, count: int) -> tuple[bytes, int, int, bytes]:
+    key = np.array(tokens, dtype=">u2").tobytes()
+    blob = encode_tree(np.array([tree]), np.array([-1], dtype=np.int32), np.array([count]), vocab_size=100)
+    return key, len(tokens), count, blob
+
+
+@pytest.mark.parametrize(("follows", "rule"), [(11, "longest"), (10, "prune")])
+def test_the_rule_whose_tree_the_held_out_text_follows_is_chosen(follows: int, rule: str) -> None:
+    # "1" is followed by 10 five hundred times; "2 1" once, by 11: `expected` (and so prune) drafts 10 after "2 1"
+    rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
+    keep = prune_mask(rows, width=2, max_matches=5000)
+    assert keep == [True, False]
+    held = (np.array([2, 1, follows], dtype=np.int32), _offsets([3]))
+    choice = choose_rule(rows, keep, held, width=2, max_n=4, length=3, table=None, seed=0)
+    assert choice.rule == rule and choice.positions == 2  # after "2" (nothing stored) and after "2 1"
+    assert (choice.m_longest, choice.m_prune) == ((1.5, 1.0) if rule == "longest" else (1.0, 1.5))
+
+
+def test_a_tie_keeps_prune_the_smaller() -> None:
+    rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
+    held = (np.array([3, 3, 3], dtype=np.int32), _offsets([3]))  # no stored suffix anywhere
+    choice = choose_rule(rows, [True, False], held, width=2, max_n=4, length=3, table=None, seed=0)
+    assert choice.rule == "prune" and choice.m_prune == choice.m_longest == 1.0
+
+
+# repeated phrases: long n-grams are right, `longest` wins; Zipf noise alone: thin long trees lose to `expected`
+@pytest.mark.parametrize(("seed", "phrases_share", "want"), [(0, 0.5, "longest"), (1, 0.0, "prune")])
+def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
+    db_dsn: str, tmp_path: Path, seed: int, phrases_share: float, want: str
+) -> None:
+    spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
+    vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(2, 14, size=int(rng.integers(2, 6))).tolist() for _ in range(8)]
+    docs = []
+    for _ in range(300):
+        words: list[int] = []
+        while len(words) < 60:
+            words += (
+                phrases[int(rng.integers(8))] if rng.random() < phrases_share else [2 + min(30, int(rng.zipf(1.4)))]
+            )
+        docs.append(words)
+    tokens = np.concatenate([np.array(d, dtype=np.int32) for d in docs])
+    offsets = _offsets([len(d) for d in docs])
+    base = {"top_t": 400, "max_n": 4, "continuation_length": 4, "max_matches": 20, "tree_size": 16, "seed": seed}
+    got = build_store(
+        tokens,
+        offsets,
+        store="auto",
+        dsn=db_dsn,
+        vocabulary=vocabulary,
+        options=IngestOptions(**base, suffix_rule="auto"),
+    )
+    choice = got.suffix_choice
+    assert choice is not None and choice["rule"] == want and choice["positions"] > 50, choice
+    bt, bo, *_ = split_held_out(tokens, offsets, seed=seed)
+    assert got.tokens == int(bo[-1]) < int(offsets[-1])  # the held-out documents are not in the store
+    same = "prune" if choice["rule"] == "prune" else "lookup"
+    build_store(
+        bt, bo, store="same", dsn=db_dsn, vocabulary=vocabulary, options=IngestOptions(**base, suffix_rule=same)
+    )
+    ids = published(db_dsn, "auto")["static"], published(db_dsn, "same")["static"]
+    assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
+    with psycopg.connect(db_dsn) as conn:
+        params, figures = conn.execute("SELECT params, figures FROM crest_stores WHERE id = %s", (ids[0],)).fetchone()
+    assert params["suffix_rule"] == "auto" and figures["suffix_choice"] == choice
+    key = next(k for n, k, _, _ in sorted(version_rows(db_dsn, ids[0])) if n == 2)
+    with Store.connect(db_dsn, "auto", cache_size=0, timeout=5.0) as handle:  # what `crest lookup` says
+        suffix = np.frombuffer(key, dtype=f">u{handle.info.token_width}").tolist()
+        source = tree_source(db_dsn, handle, suffix, handle.rule)
+    said = "the rule auto chose at ingest" if want == "longest" else "kept at ingest (auto: prune)"
+    assert said in source, source
