@@ -60,10 +60,12 @@ def test_ingest_publishes_a_dense_part_with_the_model_fingerprint_and_unit_vecto
         index = conn.execute(
             "SELECT indexdef FROM pg_indexes WHERE tablename = %s", (f"crest_dense_s{dense_store.store_id}",)
         ).fetchone()
-        assert index is not None and "hnsw" in index[0]
+        assert index is not None and "USING ivfflat" in index[0]  # the default index, recorded with the part
+        assert meta.index.kind == "ivfflat" and meta.figures["index"]["lists"] == meta.index.lists >= 1
 
 
-def test_ann_recall_against_exact_search(db_dsn: str) -> None:
+@pytest.mark.parametrize("kind", dense_db.INDEX_KINDS, ids=list(dense_db.INDEX_KINDS))
+def test_ann_recall_against_exact_search(db_dsn: str, kind: str) -> None:
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(40, 64))  # clustered, as hidden states are
     vectors = (centres[rng.integers(0, 40, 4000)] + 0.7 * rng.normal(size=(4000, 64))).astype(np.float32)
@@ -72,10 +74,11 @@ def test_ann_recall_against_exact_search(db_dsn: str) -> None:
         dense_db.ensure_vector(conn)
         dense_db.create_table(conn, 999_999, dims=64)
         dense_db.copy_rows(conn, 999_999, ((v, [i, i + 1]) for i, v in enumerate(vectors)))
-        dense_db.finish_table(conn, 999_999)
+        index = dense_db.AnnIndex.for_rows(kind, len(vectors))  # IVFFlat: 40 lists, 20 probed
+        dense_db.finish_table(conn, 999_999, index=index)
         queries = vectors[:50] + 0.5 * rng.normal(size=(50, 64)).astype(np.float32)
         queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-        dense_db.tune(conn)
+        dense_db.tune(conn, index)
         approx = dense_db.search(conn, 999_999, queries, k=10)
         exact = dense_db.search(conn, 999_999, queries, k=10, exact=True)
         plan = "\n".join(
@@ -85,7 +88,7 @@ def test_ann_recall_against_exact_search(db_dsn: str) -> None:
                 (dense_db.vector_text(queries[0]),),
             )
         )
-    assert "crest_dense_s999999_hnsw" in plan  # the index answers, not a scan
+    assert f"crest_dense_s999999_{kind}" in plan  # the index answers, not a scan
     truth = np.argsort(-(queries @ vectors.T), axis=1)[:, :10]
     assert [[c[0] for c, _ in row] for row in exact] == truth.tolist()  # exact search is exact
     recall = np.mean([len({c[0] for c, _ in a} & set(t.tolist())) / 10 for a, t in zip(approx, truth, strict=True)])

@@ -4,13 +4,16 @@ For each prompt the target decodes greedily once (the reference); each drafter i
 (`crest.bench.replay`, which feeds the dense parts the hidden state that predicted each context's last token, from
 one plain forward over prompt and reference) with the same node budget. One drafter per name serves all prompts,
 as a server's would. The batched lookup latency is timed on the same hidden states: `batch` contexts per
-statement. Run: `python3 -m crest.bench.dense --store S`.
+statement, beside the load average. Run: `python3 -m crest.bench.dense --store S`; with `--indexes
+ivfflat,hnsw` it measures the lookup only: each candidate index built on a copy of the store's dense part, side
+by side, the batch's latency and recall@k against exact search (`crest.bench.dense_lookup`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -98,6 +101,8 @@ def _measure(
             index.search(rows, k=16)
             times.append(time.perf_counter() - t0)
         figures["lookup_ms"] = {
+            "index": index.meta.index.record() if index.meta is not None else None,
+            "load_average": [round(x, 2) for x in os.getloadavg()],
             "batch": batch,
             "p50": round(1000 * float(np.percentile(times, 50)), 2),
             "p95": round(1000 * float(np.percentile(times, 95)), 2),
@@ -116,7 +121,25 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
+    parser.add_argument(
+        "--indexes",
+        default=None,
+        help="measure only the batch lookup of these candidate indexes, side by side, e.g. "
+        "ivfflat,hnsw:ef_search=40,ivfflat+halfvec:lists=100:probes=8 (KIND[+halfvec][:key=value]...)",
+    )
+    parser.add_argument("--queries", default="hidden", help="with --indexes: hidden (the model's states) or noisy")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
+    if args.indexes:
+        from crest.bench.dense_lookup import lookup_figures
+
+        found = lookup_figures(
+            args.store, dsn=args.dsn, variants=args.indexes.split(","), queries=args.queries, model=args.model,
+            prompts=args.prompts, limit=args.limit, batch=args.batch, rounds=args.rounds,
+        )  # fmt: skip
+        print(json.dumps(found, indent=2))
+        return
     figures = compare(
         args.model,
         store=args.store,
@@ -126,6 +149,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         max_nodes=args.max_nodes,
         drafters=args.drafters.split(","),
+        batch=args.batch,
     )
     print(json.dumps(figures, indent=2))
 

@@ -83,6 +83,13 @@ def ingest(
     dense_continuation: Annotated[
         int, typer.Option(help="Tokens stored after each dense position (the first is the one it predicted).")
     ] = 16,
+    dense_index: Annotated[
+        str,
+        typer.Option(
+            help="ANN index of the dense part: ivfflat (about 100 rows a list; a query scans 2% of the lists and "
+            "at least about 2,000 rows: the cheaper batch lookup) or hnsw (m 16, ef_search 100)."
+        ),
+    ] = "ivfflat",
     dsn: Dsn = None,
 ) -> None:
     """Tokenize a corpus, keep its most common n-grams with their continuation trees, publish a store.
@@ -116,7 +123,12 @@ def ingest(
         from crest.ingest.dense import DenseOptions
 
         dense = DenseOptions(
-            dense_model, dims=dense_dims, positions=dense_positions, continuation=dense_continuation, engine=engine
+            dense_model,
+            dims=dense_dims,
+            positions=dense_positions,
+            continuation=dense_continuation,
+            engine=engine,
+            index=dense_index,
         ).validate()
     if engine == "spark":
         from crest.ingest.spark import ingest_spark

@@ -1,19 +1,22 @@
-"""What crest says to PostgreSQL about a store version's dense part: pgvector rows, their HNSW index, the projection.
+"""What crest says to PostgreSQL about a store version's dense part: pgvector rows, their ANN index, the projection.
 
 A dense part is a stand-alone table `crest_dense_s<ID>` of (embedding vector(D), continuation int4[]) rows
-filled by the build of version ID with COPY and indexed with HNSW for inner product (the embeddings are unit
-length, so inner product is cosine), plus one `crest_dense` row with what turns a hidden state into a query
-(`DenseMeta`: mean, scale, PCA components) and the model it was built with. The table belongs to the version:
-the version's publication makes it visible (readers resolve the published version first) and its clean-up
-drops it (`crest.db.versions` drops `crest_dense_s<ID>` with the version's other tables). A batch of queries is
-one statement: a LATERAL nearest-neighbour scan per query vector. Table names are built from integer ids only.
+filled by the build of version ID with COPY and indexed for inner product (the embeddings are unit length, so
+inner product is cosine) with the ANN index its `AnnIndex` names (IVFFlat by default, HNSW selectable), plus one
+`crest_dense` row with what turns a hidden state into a query (`DenseMeta`: mean, scale, PCA components), the
+model it was built with and its figures, which record the index and its search setting. The table belongs to the
+version: the version's publication makes it visible (readers resolve the published version first) and its
+clean-up drops it (`crest.db.versions` drops `crest_dense_s<ID>` with the version's other tables). A batch of
+queries is one statement: a LATERAL nearest-neighbour scan per query vector. Table names are built from integer
+ids only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -22,8 +25,72 @@ from psycopg import sql
 
 from crest.errors import DatabaseError
 
+INDEX_KINDS = ("ivfflat", "hnsw")  # `crest ingest --dense-index`; the first is the default
+VECTOR_TYPES = ("vector", "halfvec")  # pgvector's float32 and float16 column types
 EF_SEARCH = 100  # HNSW candidate list of a query (pgvector's default 40 finds ~85% of the true 10 nearest)
 HNSW_M, HNSW_EF_CONSTRUCTION = 16, 64  # pgvector's defaults
+ROWS_PER_LIST = 100  # IVFFlat: about this many rows a list (at most 4 sqrt(rows) lists; docs/benchmarks.md)
+PROBE_SHARE = 0.02  # IVFFlat: share of the lists a query scans (recall@16 0.94 at 100k rows)...
+SCAN_MIN = 2000  # ... and at least about this many rows (a small table is searched nearly exactly)
+
+
+@dataclass(frozen=True)
+class AnnIndex:
+    """How a dense table is indexed and searched: index kind, build parameters and the search setting.
+
+    HNSW walks a graph per query (`m`, `ef_construction`; `ef_search` candidates); IVFFlat scans the `probes`
+    lists whose centroids are nearest to the query out of `lists`. `vector` is the column's type (halfvec:
+    float16, half the bytes). Parts built before the choice existed are float32 HNSW with pgvector's defaults,
+    which is what an `AnnIndex()` of an empty record says.
+    """
+
+    kind: str = "hnsw"
+    vector: str = "vector"
+    m: int = HNSW_M
+    ef_construction: int = HNSW_EF_CONSTRUCTION
+    ef_search: int = EF_SEARCH
+    lists: int = 1
+    probes: int = 1
+
+    @classmethod
+    def for_rows(cls, kind: str, rows: int, *, vector: str = "vector") -> AnnIndex:
+        """Return the index of `kind` for `rows` rows (IVFFlat: ~ROWS_PER_LIST rows a list, PROBE_SHARE probed)."""
+        if kind not in INDEX_KINDS or vector not in VECTOR_TYPES:
+            raise ValueError(f"unknown dense index {kind!r} over {vector!r}")
+        if kind == "hnsw":
+            return cls(kind="hnsw", vector=vector)
+        lists = max(1, min(rows // ROWS_PER_LIST, round(4 * math.sqrt(max(rows, 1)))))
+        probes = min(lists, max(math.ceil(PROBE_SHARE * lists), math.ceil(SCAN_MIN * lists / max(rows, 1))))
+        return cls(kind="ivfflat", vector=vector, lists=lists, probes=probes)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> AnnIndex:
+        """Return the index a dense part's figures record (HNSW with the defaults when they record none)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in (record or {}).items() if key in known})
+
+    def record(self) -> dict[str, Any]:
+        """Return the parameters that matter for this kind, for the dense part's figures."""
+        keep = ("m", "ef_construction", "ef_search") if self.kind == "hnsw" else ("lists", "probes")
+        return {key: value for key, value in asdict(self).items() if key in ("kind", "vector", *keep)}
+
+    def create(self, table: sql.Identifier, name: str) -> sql.Composed:
+        """Return the CREATE INDEX statement of this index on `table` (inner product)."""
+        if self.kind == "hnsw":
+            params = sql.SQL("m = {}, ef_construction = {}").format(
+                sql.Literal(int(self.m)), sql.Literal(int(self.ef_construction))
+            )
+        else:
+            params = sql.SQL("lists = {}").format(sql.Literal(int(self.lists)))
+        return sql.SQL("CREATE INDEX {} ON {} USING {} (embedding {}) WITH ({})").format(
+            sql.Identifier(name), table, sql.SQL(self.kind), sql.SQL(f"{self.vector}_ip_ops"), params
+        )
+
+    def setting(self) -> sql.Composed:
+        """Return the SET statement of this index's search setting (a session's, once per connection)."""
+        if self.kind == "hnsw":
+            return sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(int(self.ef_search)))
+        return sql.SQL("SET ivfflat.probes = {}").format(sql.Literal(int(self.probes)))
 
 
 def dense_table(store_id: int) -> sql.Identifier:
@@ -43,6 +110,11 @@ class DenseMeta:
     scale: np.ndarray  # [H] float32, 1 / standard deviation
     components: np.ndarray  # [H, D] float32, PCA directions of the standardised states
     figures: dict[str, Any]
+
+    @property
+    def index(self) -> AnnIndex:
+        """Return the ANN index the part was built with, as its figures record it."""
+        return AnnIndex.from_record(self.figures.get("index"))
 
     @property
     def dims(self) -> int:
@@ -77,12 +149,14 @@ def ensure_vector(conn: psycopg.Connection[Any]) -> None:
         ) from None
 
 
-def create_table(conn: psycopg.Connection[Any], store_id: int, *, dims: int) -> None:
+def create_table(conn: psycopg.Connection[Any], store_id: int, *, dims: int, vector: str = "vector") -> None:
     """Create the version's stand-alone dense table (no index yet: it is built after the rows are in)."""
+    if vector not in VECTOR_TYPES:
+        raise ValueError(f"unknown vector type {vector!r}")
     with conn.transaction():
         conn.execute(
-            sql.SQL("CREATE TABLE {} (embedding vector({}) NOT NULL, continuation int4[] NOT NULL)").format(
-                dense_table(store_id), sql.Literal(int(dims))
+            sql.SQL("CREATE TABLE {} (embedding {}({}) NOT NULL, continuation int4[] NOT NULL)").format(
+                dense_table(store_id), sql.SQL(vector), sql.Literal(int(dims))
             )
         )
 
@@ -98,21 +172,16 @@ def copy_rows(conn: psycopg.Connection[Any], store_id: int, rows: Iterable[tuple
     return written
 
 
-def finish_table(conn: psycopg.Connection[Any], store_id: int) -> None:
-    """Build the HNSW index (inner product) of the version's dense table."""
-    table = dense_table(store_id)
+def finish_table(conn: psycopg.Connection[Any], store_id: int, *, index: AnnIndex | None = None) -> None:
+    """Build the ANN index (inner product; HNSW with the defaults when none is given) of the version's dense table."""
+    build_index(conn, dense_table(store_id), f"crest_dense_s{int(store_id)}_{(index or AnnIndex()).kind}", index)
+
+
+def build_index(conn: psycopg.Connection[Any], table: sql.Identifier, name: str, index: AnnIndex | None) -> None:
+    """Build `index` named `name` on a dense table, then analyze the table."""
     with conn.transaction():
         conn.execute("SET LOCAL maintenance_work_mem = '256MB'")
-        conn.execute(
-            sql.SQL(
-                "CREATE INDEX {} ON {} USING hnsw (embedding vector_ip_ops) WITH (m = {}, ef_construction = {})"
-            ).format(
-                sql.Identifier(f"crest_dense_s{int(store_id)}_hnsw"),
-                table,
-                sql.Literal(HNSW_M),
-                sql.Literal(HNSW_EF_CONSTRUCTION),
-            )
-        )
+        conn.execute((index or AnnIndex()).create(table, name))
     conn.execute(sql.SQL("ANALYZE {}").format(table))
     conn.commit()
 
@@ -171,34 +240,84 @@ def table_bytes(conn: psycopg.Connection[Any], store_id: int) -> dict[str, int]:
     return {"table_bytes": int(row[0]), "index_bytes": int(row[1])}
 
 
-def tune(conn: psycopg.Connection[Any], *, ef_search: int = EF_SEARCH) -> None:
-    """Set the session's HNSW candidate list for later searches (once per connection: a search is one statement)."""
-    conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
+def tune(conn: psycopg.Connection[Any], index: AnnIndex | None = None) -> None:
+    """Set the session's search setting of `index` (HNSW's defaults when none) for later searches."""
+    conn.execute((index or AnnIndex()).setting())
 
 
 def search(
-    conn: psycopg.Connection[Any], store_id: int, queries: np.ndarray, *, k: int, exact: bool = False
+    conn: psycopg.Connection[Any],
+    store_id: int,
+    queries: np.ndarray,
+    *,
+    k: int,
+    exact: bool = False,
+    vector: str = "vector",
 ) -> list[list[tuple[list[int], float]]]:
     """Return, per unit query vector [B, D], its `k` nearest rows as (continuation, cosine similarity), best first.
 
-    One statement for the whole batch, with the session's `hnsw.ef_search` (`tune`); `exact` scans without the
-    index (the recall reference).
+    One statement for the whole batch, with the session's search setting (`tune`); `exact` scans without the
+    index (the recall reference); `vector` is the column's type.
     """
+    found = search_table(conn, dense_table(store_id), queries, k=k, exact=exact, vector=vector)
+    return [[(list(tokens), sim) for tokens, sim in row] for row in found]
+
+
+def search_table(
+    conn: psycopg.Connection[Any],
+    table: sql.Identifier,
+    queries: np.ndarray,
+    *,
+    k: int,
+    exact: bool = False,
+    vector: str = "vector",
+    payload: str = "continuation",
+) -> list[list[tuple[Any, float]]]:
+    """Return, per unit query vector [B, D], the `payload` column and similarity of its `k` nearest rows in `table`."""
     if len(queries) == 0:
         return []
     order = "(embedding <#> q.v) + 0" if exact else "embedding <#> q.v"  # an expression the index cannot serve
     query = sql.SQL(
-        "SELECT q.i, d.continuation, d.sim FROM unnest(%s::vector[]) WITH ORDINALITY AS q(v, i)"
-        " CROSS JOIN LATERAL (SELECT continuation, -(embedding <#> q.v) AS sim FROM {}"
+        "SELECT q.i, d.payload, d.sim FROM unnest(%s::{}[]) WITH ORDINALITY AS q(v, i)"
+        " CROSS JOIN LATERAL (SELECT {} AS payload, -(embedding <#> q.v) AS sim FROM {}"
         " ORDER BY " + order + " LIMIT %s) AS d ORDER BY q.i, d.sim DESC"
-    ).format(dense_table(store_id))
+    ).format(sql.SQL("halfvec" if vector == "halfvec" else "vector"), sql.Identifier(payload), table)
     rows = conn.execute(query, ([vector_text(q) for q in queries], int(k))).fetchall()
-    found: list[list[tuple[list[int], float]]] = [[] for _ in range(len(queries))]
-    for i, tokens, sim in rows:
-        found[int(i) - 1].append((list(tokens), float(sim)))
+    found: list[list[tuple[Any, float]]] = [[] for _ in range(len(queries))]
+    for i, value, sim in rows:
+        found[int(i) - 1].append((value, float(sim)))
     return found
 
 
 def vector_text(vector: np.ndarray) -> str:
     """Return pgvector's text form of a vector: [x1,x2,...]."""
     return "[" + ",".join(f"{x:.7g}" for x in np.asarray(vector, dtype=np.float32).tolist()) + "]"
+
+
+def search_with_live(
+    conn: psycopg.Connection[Any],
+    store_id: int,
+    live_id: int,
+    queries: np.ndarray,
+    *,
+    k: int,
+    vector: str = "vector",
+) -> list[list[tuple[list[int], float]]]:
+    """Return, per unit query vector [B, D], its `k` nearest rows of a static dense table and its live one together.
+
+    One statement for the whole batch: each table's own index scan (k rows each), then the best `k` of both by
+    similarity (the live part is projected like the static one: `crest.learning.live_dense`).
+    """
+    if len(queries) == 0:
+        return []
+    scan = "(SELECT continuation, -(embedding <#> q.v) AS sim FROM {} ORDER BY embedding <#> q.v LIMIT %(k)s)"
+    query = sql.SQL(
+        "SELECT q.i, d.continuation, d.sim FROM unnest(%(q)s::{}[]) WITH ORDINALITY AS q(v, i)"
+        " CROSS JOIN LATERAL (SELECT continuation, sim FROM (" + scan + " UNION ALL " + scan + ") AS u"
+        " ORDER BY sim DESC LIMIT %(k)s) AS d ORDER BY q.i, d.sim DESC"
+    ).format(sql.SQL("halfvec" if vector == "halfvec" else "vector"), dense_table(store_id), dense_table(live_id))
+    rows = conn.execute(query, {"q": [vector_text(q) for q in queries], "k": int(k)}).fetchall()
+    found: list[list[tuple[list[int], float]]] = [[] for _ in range(len(queries))]
+    for i, tokens, sim in rows:
+        found[int(i) - 1].append((list(tokens), float(sim)))
+    return found

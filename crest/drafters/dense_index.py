@@ -4,8 +4,10 @@
 that is missing, built with another tokenizer or without a dense part is an error at once; a database that does
 not answer is said once, and the index then finds nothing (no drafts, no error) and tries again on a later
 lookup every `retry_interval` seconds. `search` turns the target's hidden states into unit query vectors and
-returns every query's nearest rows in one statement; any database error costs that lookup only. A new version
-published under the name is picked up when the old version's table is gone (retired and dropped).
+returns every query's nearest rows in one statement, the live version's dense part included once a refresh
+published one (`crest.learning.live_dense`: looked for every `LIVE_INTERVAL` seconds); any database error costs
+that lookup only. A new version published under the name is picked up when the old version's table is gone
+(retired and dropped).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from crest.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
+LIVE_INTERVAL = 1.0  # seconds between looks for a newly published live dense part (the client's refresh_interval)
 Neighbours = list[tuple[list[int], float]]  # (continuation token ids, cosine similarity), best first
 
 
@@ -44,6 +47,8 @@ class DenseIndex:
         self.store, self.dsn, self.fingerprint = store, dsn, fingerprint
         self.connect_timeout, self.retry_interval = connect_timeout, retry_interval
         self.meta: dense_db.DenseMeta | None = None
+        self.live: int | None = None  # the published live version with a dense part projected like `meta`'s
+        self._live_next = 0.0  # when to look for a newer live version again
         self.model_fingerprint: str | None = None  # of the model bound to it, checked once the meta is known
         self._conn: psycopg.Connection[Any] | None = None
         self.lookups = 0  # search statements sent (one per call, whatever the batch)
@@ -69,8 +74,13 @@ class DenseIndex:
         if self.model_fingerprint is not None and self.meta.model_fingerprint != self.model_fingerprint:
             return empty  # refused when bound; a version built since with another model drafts nothing
         try:
+            if time.monotonic() >= self._live_next:
+                self._read_live()
             self.lookups += 1
-            return dense_db.search(self._conn, self.meta.store_id, self.meta.project(hidden), k=k)
+            queries, vector = self.meta.project(hidden), self.meta.index.vector
+            if self.live is not None:  # static and live entries in one statement
+                return dense_db.search_with_live(self._conn, self.meta.store_id, self.live, queries, k=k, vector=vector)
+            return dense_db.search(self._conn, self.meta.store_id, queries, k=k, vector=vector)
         except psycopg.errors.UndefinedTable:
             self.meta = None  # the version was retired and dropped: read the published one on the next lookup
         except (psycopg.Error, OSError) as exc:
@@ -119,13 +129,25 @@ class DenseIndex:
                 )
             except psycopg.OperationalError as exc:
                 raise ConnectionUnavailable(f"cannot reach the database: {str(exc).strip()}") from None
-            dense_db.tune(self._conn)
         self.meta = _published_meta(self._conn, self.store, fingerprint=self.fingerprint)
+        dense_db.tune(self._conn, self.meta.index)  # the search setting of the index this version was built with
+        self._read_live()
         if self._warned:
             log.warning("store %r's dense part answers again", self.store)
             self._warned = False
         if self.model_fingerprint is not None:
             self.check_model(self.model_fingerprint)
+
+    def _read_live(self) -> None:
+        """Read which live version's dense part the searches add (every LIVE_INTERVAL seconds: refreshes publish)."""
+        assert self._conn is not None and self.meta is not None
+        row = self._conn.execute(
+            "SELECT l.id FROM crest_stores l JOIN crest_dense d ON d.store_id = l.id WHERE l.name = %s"
+            " AND l.tier = 'live' AND l.state = 'published' AND (d.figures ->> 'static_version')::bigint = %s",
+            (self.store, self.meta.store_id),
+        ).fetchone()
+        self.live = int(row[0]) if row else None
+        self._live_next = time.monotonic() + LIVE_INTERVAL
 
     def _lost(self, exc: BaseException) -> None:
         self.close()

@@ -9,7 +9,8 @@ at most `fit_limit` of them), so memory holds one batch and an H x H matrix, not
 the mean and standard deviation standardise, the top `dims` eigenvectors of the standardised covariance reduce
 (PCA), and each reduced vector is L2-normalised; the vectors are then streamed from the file into the version's
 pgvector table with the `continuation` tokens after their position (the first of them is the token the state
-predicted) and indexed with HNSW.
+predicted) and indexed with the ANN index `index` names (IVFFlat by default, HNSW selectable; its parameters
+follow from the row count, `crest.db.dense.AnnIndex`, and are recorded in the part's figures).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _CHUNK_ROWS = 1 << 15  # states projected and copied at once
 
 @dataclass(frozen=True)
 class DenseOptions:
-    """How the dense part is built: the model, vector dims, sampled positions, continuation and batching."""
+    """How the dense part is built: the model, vector dims, sampled positions, continuation, batching and index."""
 
     model: str
     dims: int = 64
@@ -50,11 +51,14 @@ class DenseOptions:
     fit_limit: int = 1_000_000
     seed: int = 0
     engine: str = "inprocess"  # the ingest engine it is built in: the in-process one only
+    index: str = dense_db.INDEX_KINDS[0]  # the ANN index kind (crest.db.dense.INDEX_KINDS)
 
     def validate(self) -> DenseOptions:
         """Return self, or raise ConfigError naming the first bad value."""
         if self.engine != "inprocess":
             raise ConfigError(f"--dense-model builds with --engine inprocess only, not {self.engine}")
+        if self.index not in dense_db.INDEX_KINDS:
+            raise ConfigError(f"--dense-index must be one of {', '.join(dense_db.INDEX_KINDS)}, not {self.index!r}")
         for label, value, low, high in (
             ("--dense-dims", self.dims, 2, 4096),
             ("--dense-positions", self.positions, 1, 10**10),
@@ -148,11 +152,13 @@ def build_dense(
         loading = _rows(states, positions, tokens, offsets, options, (mean, scale, components))
         written = dense_db.copy_rows(conn, build.store_id, loading)
         fault_pause("dense")  # test hook: the rows are in, not indexed nor published
-        dense_db.finish_table(conn, build.store_id)
+        index = dense_db.AnnIndex.for_rows(options.index, written)
+        dense_db.finish_table(conn, build.store_id, index=index)
         load_seconds = time.perf_counter() - t0
     figures = {
         **dense_db.table_bytes(conn, build.store_id),
         "rows": written,
+        "index": index.record(),
         "fit_rows": moments.count,
         "explained_variance": round(explained, 4),
         "seconds": {"embed": round(embed_seconds, 3), "load_index": round(load_seconds, 3)},
