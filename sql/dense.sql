@@ -1,5 +1,5 @@
 -- The dense part of every store version that has one (crest ingest --dense-model): the model it was built with,
--- vector dimensions and continuation length, rows, the pgvector table's and HNSW index's bytes, bytes per row.
+-- vector dimensions and continuation length, rows, the pgvector table's and ANN index's bytes, bytes per row.
 -- Usage: psql "$CREST_DATABASE_URL" -f sql/dense.sql
 SELECT s.name AS store,
        s.id AS version,
@@ -9,6 +9,7 @@ SELECT s.name AS store,
        d.model_fingerprint,
        d.dims,
        d.continuation,
+       coalesce(d.figures -> 'index' ->> 'kind', 'hnsw') AS index_kind,  -- parts built before the choice: hnsw
        c.reltuples::bigint AS rows_estimate,
        pg_table_size(c.oid) AS table_bytes,
        pg_indexes_size(c.oid) AS index_bytes,

@@ -273,6 +273,7 @@ def test_sql_dense_reports_the_dense_part_size(db_dsn: str, dense_store: Any) ->
         conn.execute(f"ANALYZE crest_dense_s{dense_store.store_id}")
         rows = cur.execute(sql_file.read_text()).fetchall()
     assert len(rows) == 1 and rows[0]["version"] == dense_store.store_id and rows[0]["dims"] == 16
+    assert rows[0]["index_kind"] == "ivfflat"
     assert rows[0]["rows_estimate"] == dense_store.tokens - 2 * dense_store.documents
     assert rows[0]["table_bytes"] > 0 and rows[0]["index_bytes"] > 0 and rows[0]["bytes_per_row"] > 16 * 4
 
