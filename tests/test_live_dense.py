@@ -76,16 +76,25 @@ def engine(db_dsn: str, dense_store: Any, served: Any) -> Iterator[Engine]:
     found.stop()
 
 
-def _serve(engine: Engine, prompts: list[str], *, drafter: str = "dense") -> list[Outcome]:
-    """Submit the prompts at once, step until done, write what they taught; return their outcomes."""
+def _serve(
+    engine: Engine, prompts: list[str], *, drafter: str = "dense", statements: list[int] | None = None
+) -> list[Outcome]:
+    """Submit the prompts at once, step until done, write what they taught; return their outcomes.
+
+    `statements` gets the dense index's ANN statements of each step.
+    """
     futures = [
         engine.submit(engine.request(_ids(engine.tokenizer, p), drafter=drafter, store=None, prediction=None,
                                      max_tokens=MAX_TOKENS, temperature=0.0))
         for p in prompts
     ]  # fmt: skip
+    index = engine.dense_index("words") if drafter.startswith("dense") or "+dense" in drafter else None
     for _ in range(1000):
+        before = index.lookups if index is not None else 0
         if not engine.scheduler.step():
             break
+        if statements is not None and index is not None:
+            statements.append(index.lookups - before)
     learner = engine.learner("words")
     assert learner is not None and learner.flush(timeout=30)
     return [f.result() for f in futures]
@@ -147,7 +156,10 @@ def test_the_same_prompt_served_again_drafts_from_the_live_entries_and_stays_exa
     done = refresh_live(db_dsn, "words")
     assert done is not None and done.dense_rows > 0
     engine.dense_index("words")._live_next = 0.0  # look for the live part now, not within a second
-    again = _serve(engine, LIVE_PROMPTS)
+    statements: list[int] = []
+    again = _serve(engine, LIVE_PROMPTS, statements=statements)
+    assert engine.dense_index("words").live == done.store_id
+    assert statements[0] == 1 and max(statements) == 1  # static and live entries: one statement a step
     for outcomes in (first, again):
         assert [o.result.output_token_ids for o in outcomes] == [plain[p] for p in LIVE_PROMPTS]
     before = sum(o.accepted_parts.get("dense", 0) for o in first)
