@@ -23,7 +23,7 @@ import numpy as np
 import psycopg
 import pytest
 from crest_client.errors import InvalidName
-from crest_client.learner import STATS, Learner, split_stats
+from crest_client.learner import STATS, DenseRows, Learner, split_stats
 from psycopg import sql
 
 from tests.fix_proxy import Proxy, Silent
@@ -84,6 +84,22 @@ def test_figures_are_written_with_their_rows(learner: Learner, db_dsn: str) -> N
     with psycopg.connect(db_dsn) as conn:  # a part's figure is a number in one jsonb object; zeros are left out
         rows = conn.execute("SELECT accepted_parts FROM crest_learned ORDER BY id").fetchall()
     assert [parts for (parts,) in rows] == [{"static": 2, "live": 5, "prompt": 1, "dense": 3}, {}, {"draft_2": 7}]
+
+
+def test_dense_vectors_are_written_with_their_rows_and_misfits_left_out(learner: Learner, db_dsn: str) -> None:
+    vectors = np.arange(12, dtype=np.float32).reshape(3, 4) / 16  # [3, 4]: exact in float16
+    learner.learn([1, 2, 3, 4], dense=DenseRows(7, 1, vectors))  # positions 1..3 of 4
+    learner.learn([5, 6], stats={"steps": 1})  # none, in the same batch
+    learner.learn([7, 8, 9], dense=DenseRows(7, 1, vectors))  # positions 1..3 of 3: the vectors are left out
+    learner.learn([10, 11], dense=DenseRows(7, 0, vectors[0]))  # not [n, dims]: left out, the row kept
+    assert learner.flush(timeout=10)
+    with psycopg.connect(db_dsn) as conn:
+        rows = conn.execute(
+            "SELECT n_tokens, dense_version, dense_first, dense FROM crest_learned ORDER BY id"
+        ).fetchall()
+    assert [r[:3] for r in rows] == [(4, 7, 1), (2, None, None), (3, None, None), (2, None, None)]
+    assert np.array_equal(np.frombuffer(rows[0][3], "<f2").reshape(3, 4), vectors)
+    assert learner.stats["dropped_rows"] == 0 and learner.stats["written_rows"] == 4
 
 
 def test_split_stats_names_the_request_figures_and_the_parts() -> None:
