@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import psycopg
@@ -13,16 +14,22 @@ from crest.cli.app import app
 from tests.fix_corpus import WORDS, word_tokenizer_dir  # noqa: F401  (fixture)
 
 
-def test_bench_ingest_prints_figures_and_drops_its_store(db_dsn: str, tmp_path: Path, word_tokenizer_dir: Path) -> None:  # noqa: F811
+def test_bench_ingest_prints_figures_and_drops_its_store(
+    db_dsn: str,
+    tmp_path: Path,
+    word_tokenizer_dir: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(6):
         (corpus / f"d{i}.txt").write_text(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(40)))
     args = ["bench", "ingest", str(corpus), "--tokenizer", str(word_tokenizer_dir), "--store", "b", "--top-t", "20"]
+    monkeypatch.setattr("sys.argv", ["crest", *args])  # what a shell hands `crest`; CliRunner leaves pytest's
     done = CliRunner().invoke(app, [*args, "--json", "--dsn", db_dsn])
     assert done.exit_code == 0, done.output
     results = json.loads(done.output)
-    assert results["benchmark"] == "ingest" and results["command"].startswith("crest ")
+    assert results["benchmark"] == "ingest" and results["command"] == shlex.join(["crest", *args])
     (figures,) = results["rows"]
     assert figures["documents"] == 6 and figures["tokens"] == 240 and figures["ngrams_stored"] > 0
     assert figures["count_tokens_per_second"] > 0 and figures["peak_rss_bytes"] > 0
