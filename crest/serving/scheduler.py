@@ -336,11 +336,19 @@ class Scheduler:
             pairs.extend((r, slot) for slot in slots)
             ends.append(len(pairs))
         found = self._rows[rows[0]].state.tap.rows([r for r, _ in pairs], [slot for _, slot in pairs])  # [P, H]
+        recording: dict[int, list[tuple[_Row, int, int]]] = {}  # per projection: its rows and their states
         for r, start, end in zip(rows, [0, *ends[:-1]], ends, strict=True):
             row = self._rows[r]
             row.state.hidden = found[end - 1] if found is not None else None
             if found is not None and row.request.learn_dense is not None:
-                row.dense.append(_projected(row.request.learn_dense, found[start:end]))
+                recording.setdefault(id(row.request.learn_dense), []).append((row, start, end))
+        for group in recording.values():  # one projection for all rows of a store
+            picked = np.concatenate([np.arange(start, end) for _, start, end in group])
+            projected = _projected(group[0][0].request.learn_dense, found[picked])  # [p, D]
+            at = 0
+            for row, start, end in group:
+                row.dense.append(projected[at : at + end - start])
+                at += end - start
 
     def _feed_hidden(self) -> None:
         """Hand each hidden-state row's drafter its state; search all rows' dense leases, one statement per index."""
