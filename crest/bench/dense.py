@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -133,11 +134,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.indexes:
         from crest.bench.dense_lookup import lookup_figures
+        from crest.errors import CrestClientError, exit_code
 
-        found = lookup_figures(
-            args.store, dsn=args.dsn, variants=args.indexes.split(","), queries=args.queries, model=args.model,
-            prompts=args.prompts, limit=args.limit, batch=args.batch, rounds=args.rounds,
-        )  # fmt: skip
+        try:
+            found = lookup_figures(
+                args.store, dsn=args.dsn, variants=args.indexes.split(","), queries=args.queries, model=args.model,
+                prompts=args.prompts, limit=args.limit, batch=args.batch, rounds=args.rounds,
+            )  # fmt: skip
+        except CrestClientError as exc:  # bad input or a missing store: one line, crest's exit code
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(exit_code(exc))
         print(json.dumps(found, indent=2))
         return
     figures = compare(

@@ -249,12 +249,12 @@ def lookup_figures(
             vectors = stored_vectors(conn, meta.store_id)
     finally:
         index.close()
+    candidates = [parse_variant(v, rows=vectors.shape[0]) for v in variants]  # bad input said before the model runs
     if queries == "hidden":
         asked = hidden_queries(model, meta, prompts=prompts, limit=limit)
     elif queries == "noisy":
         asked = noisy_queries(vectors, count=1000, noise=0.05)
     else:
         raise ConfigError(f"--queries must be hidden or noisy, not {queries!r}")
-    candidates = [parse_variant(v, rows=vectors.shape[0]) for v in variants]
     figures = compare_indexes(url, meta.store_id, candidates, asked, vectors, batch=batch, k=k, rounds=rounds)
     return {"store": store, "version": meta.store_id, "queries_from": queries, **figures}
