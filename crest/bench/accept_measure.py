@@ -94,7 +94,7 @@ def measure(
         v.name: Store.connect(dsn, v.name, tokenizer_fingerprint=fingerprint, timeout=1.0, pool_size=1) for v in crest
     }
     dense_parts = accept_dense.open_indexes(dense, dsn=dsn, fingerprint=fingerprint)  # replay and timing alike
-    parts = {"stores": stores, "indexes": indexes, "dense": dense_parts}
+    parts: dict[str, dict[str, Any]] = {"stores": stores, "indexes": indexes, "dense": dense_parts}
     timing_parts = {**parts, "stores": timing_stores}
     variants = {"rest": rest, "crest": crest, "dense": dense, "hybrid": hybrid}
     keys: list[tuple[str, Variant | None]] = [(name, v) for name in opts.drafters for v in _sizes(name, variants)]
