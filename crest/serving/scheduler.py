@@ -20,88 +20,27 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from crest_client.draft import Draft, empty_draft
 
-from crest.decoding.drafter import Drafter
-from crest.decoding.generator import DecodeState, GenerationResult, SpeculativeGenerator
-from crest.decoding.hidden import bind_drafter, feed_hidden, model_tap, wants_hidden
+from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.hidden import bind_drafter, model_tap, wants_hidden
 from crest.decoding.sampling import accept_greedy, children_of
 from crest.decoding.sizing import CostModel
-from crest.drafters.dense_lease import DenseLease, prefetch_dense
-from crest.drafters.lease import StoreLease, prefetch
+from crest.drafters.lease import prefetch
 from crest.errors import CrestError
 from crest.learning.requests import tally_parts
+from crest.serving._rows import NoCache, Row, feed_hidden_states, keep_hidden_states, record_prefill
 from crest.serving.batch import BatchCache, TreeRow
+from crest.serving.request import Outcome, QueueFull, Request, ShuttingDown
+
+__all__ = ["Outcome", "QueueFull", "Request", "Scheduler", "ShuttingDown"]
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(CrestError):
-    """The server's queue of waiting requests is full: retry later."""
-
-
-class ShuttingDown(CrestError):
-    """The server is draining and takes no new requests."""
-
-
-@dataclass
-class Request:
-    """One completion request for the scheduler: prompt ids, sampling options, its drafter and callbacks."""
-
-    prompt: list[int]
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    drafter: Drafter | None = None
-    leases: Sequence[StoreLease] = ()  # the store views inside `drafter`, filled once per step for the batch
-    dense: Sequence[DenseLease] = ()  # the dense-index views inside `drafter`, searched once per step for the batch
-    store: str | None = None  # the store the request belongs to: it drafts from it and, learning, teaches it
-    learn_dense: Any = None  # a `DenseMeta`: project the states of its tokens for the store's live dense part
-    on_text: Callable[[str], None] | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class Outcome:
-    """A finished request: its generation result and how many draft tokens were accepted and rejected."""
-
-    result: GenerationResult
-    accepted_draft_tokens: int
-    rejected_draft_tokens: int
-    cancelled: bool = False
-    accepted_parts: dict[str, int] = field(default_factory=dict)  # accepted tokens each part's tree held
-    dense: np.ndarray | None = None  # [n, D] float16 projected states (`Request.learn_dense`), None: not recorded
-    dense_from: int = 0  # index in prompt + output of the token the first of them predicted
-    dense_version: int | None = None  # the static store version whose dense part projected them
-
-
-@dataclass
-class _Row:
-    """A request in the batch: its request, decode state, future and draft counters."""
-
-    request: Request
-    state: DecodeState
-    future: Future[Outcome]
-    accepted: int = 0
-    parts: dict[str, int] = field(default_factory=dict)  # accepted tokens per drafter part (`tally_parts`)
-    dense: list[np.ndarray] = field(default_factory=list)  # [k, D] float16 projected states, one block a step
-    dense_from: int = 0
-
-
-class _NoCache:
-    """The per-request cache slot of a batched row: its KV entries live in the `BatchCache`."""
-
-    layers: tuple[Any, ...] = ()
 
 
 class Scheduler:
@@ -129,9 +68,9 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.budget = self.policy.budget
         self.metrics = metrics
-        self._inbox: queue.Queue[_Row] = queue.Queue()
-        self._waiting: deque[_Row] = deque()
-        self._rows: list[_Row] = []
+        self._inbox: queue.Queue[Row] = queue.Queue()
+        self._waiting: deque[Row] = deque()
+        self._rows: list[Row] = []
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted
         self._wake = threading.Event()
@@ -173,7 +112,7 @@ class Scheduler:
             if self._queued >= self.max_queue + max(0, self.max_batch - len(self._rows)):
                 raise QueueFull(f"{self._queued} requests are waiting (--max-queue {self.max_queue})")
             self._queued += 1
-        row = _Row(request, state, Future())
+        row = Row(request, state, Future())
         row.future.set_running_or_notify_cancel()
         self._inbox.put(row)
         self._wake.set()
@@ -236,10 +175,10 @@ class Scheduler:
                     row.state.tap = model_tap(self.gen.model)  # hooked here, in the thread that runs the model
                 self.batch.prefill(row.state.prompt)
                 row.state.prefill_seconds = time.perf_counter() - row.state.started
-                row.state.cache = _NoCache()
+                row.state.cache = NoCache()
                 if row.state.tap is not None and len(row.state.prompt) > 1:  # else no forward ran: unknown
                     row.state.hidden = row.state.tap.row(-1)
-                self._record_prefill(row)
+                record_prefill(row)
             except Exception as exc:
                 self._fail(row, exc)
                 continue
@@ -278,7 +217,7 @@ class Scheduler:
             if slots:  # the context is still the one the row drafted for
                 tally_parts(row.parts, row.request.drafter, drafts[r], context_length=len(row.state.context),
                             accepted=new[: len(slots)])  # fmt: skip
-        self._keep_hidden(accepted)
+        keep_hidden_states(self._rows, accepted)
         self.batch.commit(accepted)
         if self._observe_costs:
             self.policy.observe_cost(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
@@ -314,66 +253,11 @@ class Scheduler:
         leases = [(lease, row.state.context) for row in rows for lease in row.request.leases]
         if leases:
             prefetch([lease for lease, _ in leases], [ctx for _, ctx in leases], max_nodes=self.budget)
-        self._feed_hidden()
+        feed_hidden_states(self._rows, room=self.gen.room)
         drafts = [
             self.policy.draft(row.request.drafter, row.state.context, room=self.gen.room(row.state)) for row in rows
         ]
         return self.policy.size(drafts)
-
-    def _keep_hidden(self, accepted: list[list[int]]) -> None:
-        """Keep each hidden-state row's state at its last accepted slot (root: 0): it predicted the token after.
-
-        A row that records its states (`Request.learn_dense`) gets those of the root and of every accepted slot
-        (each predicted one emitted token), projected, in the same gather.
-        """
-        rows = [r for r, row in enumerate(self._rows) if row.state.tap is not None]
-        if not rows:
-            return
-        pairs: list[tuple[int, int]] = []  # (batch row, slot) to gather
-        ends: list[int] = []  # per tapped row: one past its last pair
-        for r in rows:
-            slots = [0, *accepted[r]] if self._rows[r].request.learn_dense is not None else accepted[r][-1:] or [0]
-            pairs.extend((r, slot) for slot in slots)
-            ends.append(len(pairs))
-        found = self._rows[rows[0]].state.tap.rows([r for r, _ in pairs], [slot for _, slot in pairs])  # [P, H]
-        recording: dict[int, list[tuple[_Row, int, int]]] = {}  # per projection: its rows and their states
-        for r, start, end in zip(rows, [0, *ends[:-1]], ends, strict=True):
-            row = self._rows[r]
-            row.state.hidden = found[end - 1] if found is not None else None
-            if found is not None and row.request.learn_dense is not None:
-                recording.setdefault(id(row.request.learn_dense), []).append((row, start, end))
-        for group in recording.values():  # one projection for all rows of a store
-            picked = np.concatenate([np.arange(start, end) for _, start, end in group])
-            projected = _projected(group[0][0].request.learn_dense, found[picked])  # [p, D]
-            at = 0
-            for row, start, end in group:
-                row.dense.append(projected[at : at + end - start])
-                at += end - start
-
-    def _feed_hidden(self) -> None:
-        """Hand each hidden-state row's drafter its state; search all rows' dense leases, one statement per index."""
-        leases: list[DenseLease] = []
-        states: list[Any] = []
-        for row in self._rows:
-            state = row.state
-            if state.tap is None:
-                continue
-            feed_hidden(row.request.drafter, len(state.context), state.hidden)
-            if state.hidden is not None and self.gen.room(state) > 0:
-                leases.extend(row.request.dense)
-                states.extend([state.hidden] * len(row.request.dense))
-        if leases:
-            prefetch_dense(leases, states)
-
-    def _record_prefill(self, row: _Row) -> None:
-        """Start a recording row's states with its prefill state (it predicted the prompt's last token)."""
-        state, meta = row.state, row.request.learn_dense
-        if meta is None:
-            return
-        row.dense_from = len(state.prompt)
-        if state.hidden is not None:
-            row.dense.append(_projected(meta, state.hidden[None, :]))
-            row.dense_from -= 1
 
     def _remove(self, indices: list[int]) -> None:
         if not indices:
@@ -382,7 +266,7 @@ class Scheduler:
         gone = set(indices)
         self._rows = [row for i, row in enumerate(self._rows) if i not in gone]
 
-    def _finish(self, row: _Row, *, cancelled: bool = False) -> None:
+    def _finish(self, row: Row, *, cancelled: bool = False) -> None:
         state = row.state
         if not state.seconds and state.started:
             state.seconds = time.perf_counter() - state.started
@@ -399,7 +283,7 @@ class Scheduler:
             self.metrics.observe_done(outcome)
         row.future.set_result(outcome)
 
-    def _fail(self, row: _Row, exc: BaseException) -> None:
+    def _fail(self, row: Row, exc: BaseException) -> None:
         if not isinstance(exc, CrestError):
             log.warning("request failed: %s: %s", type(exc).__name__, exc)
         if not row.future.done():
@@ -408,8 +292,3 @@ class Scheduler:
     def _report_depth(self) -> None:
         if self.metrics is not None:
             self.metrics.observe_queue(queued=self._queued, active=len(self._rows))
-
-
-def _projected(meta: Any, hidden: np.ndarray) -> np.ndarray:
-    """Return hidden states [k, H] projected by a dense part (standardise, PCA, normalise) as float16 [k, D]."""
-    return np.asarray(meta.project(hidden), dtype=np.float16)
