@@ -1,21 +1,21 @@
 """`Store`: the SDK's handle on one published crest store.
 
 `draft(context_ids)` looks the context up as a batch of one (`draft_many_parts`): the keys of the context's suffixes
-that the version's key filter may hold (`crest_client.lookup.candidate_keys`: a Bloom filter loaded once per
-version; it never drops a stored key) are probed in one prepared statement that returns the longest stored one
-(a store whose suffix trees were decided at ingest needs no more), or with the `expected` rule on an older store
-every stored one, among which `crest_client.choice` picks. A context none of whose suffixes passes the filter costs
-no round trip. Tree blobs are decoded into `Draft`s with the version's token table. The handle re-reads which
-versions are published every `refresh_interval` seconds and whenever its partition is gone, so readers move to a
-new version once it is published, and never see a mix of two. Results are kept in a bounded LRU cache per tier,
-keyed by the last max-n tokens. Connections come from a psycopg pool (`crest_client._connections`), so one `Store`
-is safe to share between threads. Failures of the database (down, slow, restarting) and corrupt rows make a lookup
-return None: generation goes on.
+that the version's key filter may hold (`crest_client._batch_lookup`, keys from
+`crest_client.lookup.candidate_keys`: a Bloom filter loaded once per version; it never drops a stored key) are
+probed in one prepared statement that returns the longest stored one (a store whose suffix trees were decided at
+ingest needs no more), or with the `expected` rule on an older store every stored one, among which
+`crest_client.choice` picks. A context none of whose suffixes passes the filter costs no round trip. Tree blobs are
+decoded into `Draft`s with the version's token table. The handle re-reads which versions are published every
+`refresh_interval` seconds and whenever its partition is gone, so readers move to a new version once it is
+published, and never see a mix of two. Results are kept in a bounded LRU cache per tier, keyed by the last max-n
+tokens. Connections come from a psycopg pool (`crest_client._connections`), so one `Store` is safe to share between
+threads. Failures of the database (down, slow, restarting) and corrupt rows make a lookup return None: generation
+goes on.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -27,23 +27,15 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from crest_client._batch_lookup import fetch_drafts
 from crest_client._cache import TierCaches
 from crest_client._connections import Connections, LookupTimeout, open_pool
-from crest_client.choice import choose, resolve_rule, rule_for
+from crest_client.choice import resolve_rule
 from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
 from crest_client.hosts import check_dsn, resolve_read_dsn
 from crest_client.info import PUBLISHED_SQL, StoreInfo, read_info, read_live
-from crest_client.lookup import (
-    BYTEA_ARRAY,
-    INT4_ARRAY,
-    bytea_array,
-    candidate_keys,
-    decode_rows,
-    int4_array,
-    lookup_sql,
-    numbered,
-)
+from crest_client.lookup import candidate_keys
 from crest_client.names import check_store_name
 from crest_client.tiers import TIERS, PartScales, merge_parts
 
@@ -51,8 +43,6 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["Store", "StoreInfo"]
-
-Row = tuple[int, int, int, int, bytes]  # (context index, part, n, count, tree)
 
 
 class Store:
@@ -208,7 +198,9 @@ class Store:
             if attempt == 0:
                 self.stats["hits"] += len(contexts) - len(missing[0])
             try:
-                found = self._fetch(infos, tails, missing)
+                found = fetch_drafts(
+                    self._conns, infos, tails, missing, rule=self.rule, stats=self.stats, corrupt=self._corrupt
+                )
             except psycopg.errors.UndefinedTable:
                 if self._switch_version():
                     continue
@@ -222,64 +214,6 @@ class Store:
                 out[i][part] = draft.truncate(max_nodes) if draft is not None else None
             return out
         return out
-
-    def _every(self, info: StoreInfo) -> bool:
-        """Return whether a lookup of this version fetches every stored suffix (the `expected` rule's choice).
-
-        A live tier always drafts from its longest stored suffix (`crest_client.choice.rule_for`).
-        """
-        return rule_for(info.tier, self.rule) != "longest" and info.params.get("suffix_rule", "lookup") == "lookup"
-
-    def _fetch(
-        self, infos: list[StoreInfo], tails: list[tuple[int, ...]], missing: list[list[int]]
-    ) -> dict[tuple[int, int], Draft | None]:
-        """Look the missing contexts up in one statement; return {(tier, context index): draft} for each looked up."""
-        params: list[Any] = []
-        probes = 0
-        for part, info in enumerate(infos):
-            index, keys = candidate_keys([tails[i] for i in missing[part]], info)
-            params += [[missing[part][j] for j in index], keys]
-            probes += len(keys)
-        if not probes:
-            return {}
-        self.stats["queries"] += 1
-        everys = [self._every(info) for info in infos]
-        single = len(infos) == 1 and len(set(params[0])) == 1  # a batch of one: the probe statement
-        name, query = _statement(tuple(info.id for info in infos), len(params[1]) if single else None, any(everys))
-        if single:
-            types, values = [_BYTEA] * len(params[1]), params[1]
-        else:
-            types = [INT4_ARRAY, BYTEA_ARRAY] * len(infos)
-            values = [int4_array(p) if j % 2 == 0 else bytea_array(p) for j, p in enumerate(params)]
-        res = self._conns.run_prepared(name, query, types, values)
-        get = res.get_value
-        rows: list[Row] = [  # a probe statement's context index is 0: its context's is the one looked up
-            (params[0][0] if single else _int(get(r, 0)), _int(get(r, 1)), _int(get(r, 2)), _int(get(r, 3)), get(r, 4))
-            for r in range(res.ntuples)
-        ]
-        found: dict[tuple[int, int], Draft | None] = {}
-        for part, info in enumerate(infos):
-            mine = rows if len(infos) == 1 else [row for row in rows if row[1] == part]
-            chosen = self._pick(mine, info, every=everys[part])
-            for (i, *_), draft in zip(chosen, self._to_drafts([(r[2], r[4]) for r in chosen], info), strict=True):
-                found[(part, i)] = draft
-        return found
-
-    def _pick(self, rows: list[Row], info: StoreInfo, *, every: bool) -> list[Row]:
-        """Return one row per context: its longest stored suffix's, or with `every` the `expected` rule's choice."""
-        if len(rows) < 2:
-            return rows
-        if not every:
-            best: dict[int, Row] = {}
-            for row in rows:  # longest first per context; a batch statement with `every` for another tier
-                if row[0] not in best or row[2] > best[row[0]][2]:
-                    best[row[0]] = row
-            return list(best.values())
-        groups: dict[int, list[Row]] = {}
-        for row in rows:
-            groups.setdefault(row[0], []).append(row)
-        limit = int(info.params.get("max_matches", 5000) or 5000)
-        return [group[choose([(r[2], r[3], r[4]) for r in group], max_matches=limit)] for group in groups.values()]
 
     def learn(
         self,
@@ -333,13 +267,10 @@ class Store:
                 source=self,
             )
 
-    def _to_drafts(self, rows: list[tuple[int, bytes]], info: StoreInfo) -> list[Draft | None]:
-        """Decode many (n, tree) rows at once (a corrupt tree is a miss, counted and logged once)."""
-        drafts, errors = decode_rows(rows, info)
-        for error in errors:
-            self.stats["errors"] += 1
-            self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {error}")
-        return drafts
+    def _corrupt(self, error: str) -> None:
+        """Count a corrupt tree (a miss) and log the first one."""
+        self.stats["errors"] += 1
+        self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {error}")
 
     def _switch_version(self) -> bool:
         """Re-read which versions are published; on a change, follow them and drop their caches."""
@@ -405,18 +336,3 @@ class Store:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(" ".join(message.split()))  # one line: libpq's messages span several
-
-
-_BYTEA = 17  # type oid
-
-
-@functools.lru_cache(maxsize=256)
-def _statement(ids: tuple[int, ...], probes: int | None, every: bool) -> tuple[bytes, bytes]:
-    """Return the prepared statement's (name, libpq SQL) for a lookup shape (`crest_client.lookup.lookup_sql`)."""
-    name, query = lookup_sql(ids, probes, every=every)
-    return name.encode(), numbered(query).encode()
-
-
-def _int(value: bytes) -> int:
-    """Return a binary int2/int4 result value."""
-    return int.from_bytes(value, "big", signed=True)
