@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from crest.bench.serve import ServeFigures
+from crest.bench.serve_figures import ServeFigures
 
 
 def targets(rows: Sequence[ServeFigures]) -> list[dict[str, Any]]:
