@@ -71,6 +71,7 @@ SUFFIX_RULES = ("lookup", "backoff", "prune", "auto")
 DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
 DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (the most recent ones)
 DEFAULT_LEARN_DENSE_WINDOW = 50_000  # recorded hidden states a live version's dense part holds (the most recent)
+DEFAULT_DENSE_PRECISION = "half"  # a dense part's vectors: halfvec (crest.db.dense.PRECISIONS; docs/benchmarks.md)
 
 DEFAULT_REFRESH_INTERVAL = 10.0  # seconds between refreshes of the live tiers (crest serve, the vLLM proposer)
 

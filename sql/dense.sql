@@ -1,5 +1,6 @@
 -- The dense part of every store version that has one (crest ingest --dense-model): the model it was built with,
--- vector dimensions and continuation length, rows, the pgvector table's and ANN index's bytes, bytes per row.
+-- vector dimensions, precision (the embedding column's type: halfvec = half, vector = single) and continuation
+-- length, rows, the pgvector table's and ANN index's bytes, bytes per row.
 -- Usage: psql "$CREST_DATABASE_URL" -f sql/dense.sql
 SELECT s.name AS store,
        s.id AS version,
@@ -8,6 +9,9 @@ SELECT s.name AS store,
        d.model,
        d.model_fingerprint,
        d.dims,
+       (SELECT CASE t.typname WHEN 'halfvec' THEN 'half' ELSE 'single' END
+          FROM pg_attribute AS a JOIN pg_type AS t ON t.oid = a.atttypid
+         WHERE a.attrelid = c.oid AND a.attname = 'embedding') AS precision,
        d.continuation,
        coalesce(d.figures -> 'index' ->> 'kind', 'hnsw') AS index_kind,  -- parts built before the choice: hnsw
        c.reltuples::bigint AS rows_estimate,

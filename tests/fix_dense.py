@@ -1,6 +1,7 @@
 """A dense part for the tests: a word tokenizer and a tiny random llama over it (`tiny_dir`, `loaded`), a corpus of
 the model's own greedy continuations (`corpus`) and a store `words` ingested from it with a dense part
-(`dense_store`, on the per-test database). Load with `pytest_plugins = ["tests.fix_dense"]`.
+(`dense_store`, on the per-test database), and the column type of a dense table (`column_type`). Load with
+`pytest_plugins = ["tests.fix_dense"]`.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from crest.config import IngestOptions
@@ -63,6 +65,18 @@ def ingest_dense(dsn: str, corpus: Path, tiny_dir: Path, **dense: Any) -> Any:
     """Ingest the corpus as store `words` with a 16-dimension dense part of the tiny model; return the build."""
     options = DenseOptions(str(tiny_dir), dims=16, positions=dense.pop("positions", 10_000), continuation=8, **dense)
     return ingest([str(corpus)], store="words", tokenizer=str(tiny_dir), dsn=dsn, options=OPTIONS, dense=options)
+
+
+def column_type(dsn: str, store_id: int) -> str:
+    """Return the type of a version's dense table's embedding column, such as halfvec(16)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid = to_regclass(%s) AND attname = 'embedding'",
+            (f"crest_dense_s{int(store_id)}",),
+        ).fetchone()
+    assert row is not None, f"version {store_id} has no dense table"
+    return str(row[0])
 
 
 @pytest.fixture

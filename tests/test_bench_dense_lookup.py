@@ -34,7 +34,7 @@ def test_candidates_are_measured_side_by_side_on_scratch_copies(db_dsn: str, den
     assert found["hnsw:ef_search=40"]["recall"] >= 0.9 and found["ivfflat+halfvec"]["recall"] >= 0.9
     assert found["ivfflat:lists=8:probes=1"]["recall"] < 1.0  # one list of eight misses neighbours: recall is real
     for row in found.values():
-        assert 0 < row["p50_ms"] <= row["p95_ms"] and row["index_bytes"] > 0
+        assert 0 < row["p50_ms"] <= row["p95_ms"] and row["index_bytes"] > 0 and row["table_bytes"] > 0
         assert row["cpu_ms"] is not None and row["cpu_ms"] > 0  # the embedded server runs on this machine
     with psycopg.connect(db_dsn) as conn:  # the scratch copies are gone
         left = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'crest_dense_bench_%'").fetchone()

@@ -28,7 +28,7 @@ from crest.errors import ConfigError, ModelError
 from crest.ingest.dense import sample_positions
 from crest.ingest.pipeline import ingest
 from tests.fix_corpus import write_jsonl
-from tests.fix_dense import DENSE_DRAFTERS, OPTIONS, PROMPTS, ingest_dense, save_tiny
+from tests.fix_dense import DENSE_DRAFTERS, OPTIONS, PROMPTS, column_type, ingest_dense, save_tiny
 from tests.fix_proxy import Proxy
 
 pytest_plugins = ["tests.fix_dense"]
@@ -45,9 +45,13 @@ def test_sample_positions_draw_whole_windows_with_two_tokens_after_each_position
     assert sample_positions(np.array([0, 2, 3]), count=5, seed=0, window=4).shape == (0,)
 
 
+@pytest.mark.parametrize("precision", ["half", "single"])
 def test_ingest_publishes_a_dense_part_with_the_model_fingerprint_and_unit_vectors(
-    db_dsn: str, dense_store: Any, loaded: Any
+    db_dsn: str, corpus: Path, tiny_dir: Path, loaded: Any, precision: str
 ) -> None:
+    dense_store = ingest_dense(db_dsn, corpus, tiny_dir, precision=precision)
+    vector = dense_db.PRECISIONS[precision]  # the column type; float16 rounds each component by up to ~5e-4
+    assert column_type(db_dsn, dense_store.store_id) == f"{vector}(16)"
     with psycopg.connect(db_dsn) as conn:
         meta = dense_db.read_meta(conn, dense_store.store_id)
         assert meta is not None and meta.dims == 16 and meta.continuation == 8
@@ -55,42 +59,50 @@ def test_ingest_publishes_a_dense_part_with_the_model_fingerprint_and_unit_vecto
         rows = conn.execute(f"SELECT embedding::text, continuation FROM crest_dense_s{dense_store.store_id}").fetchall()
         assert meta.figures["rows"] == len(rows) == dense_store.tokens - 2 * dense_store.documents
         norms = [np.linalg.norm(json.loads(text)) for text, _ in rows]
-        assert np.allclose(norms, 1.0, atol=1e-4)
+        assert np.allclose(norms, 1.0, atol=2e-3 if precision == "half" else 1e-4)
         assert all(2 <= len(cont) <= 8 for _, cont in rows)
+        held = conn.execute(f"SELECT DISTINCT pg_column_size(embedding) FROM crest_dense_s{dense_store.store_id}")
+        width = 2 if precision == "half" else 4  # bytes a component; 5 bytes of header on disk (short varlena)
+        assert held.fetchall() == [(5 + 16 * width,)]
         index = conn.execute(
             "SELECT indexdef FROM pg_indexes WHERE tablename = %s", (f"crest_dense_s{dense_store.store_id}",)
         ).fetchone()
         assert index is not None and "USING ivfflat" in index[0]  # the default index, recorded with the part
         assert meta.index.kind == "ivfflat" and meta.figures["index"]["lists"] == meta.index.lists >= 1
+        assert meta.index.vector == vector and meta.figures["options"]["precision"] == precision  # recorded
 
 
-@pytest.mark.parametrize("kind", dense_db.INDEX_KINDS, ids=list(dense_db.INDEX_KINDS))
-def test_ann_recall_against_exact_search(db_dsn: str, kind: str) -> None:
+@pytest.mark.parametrize("vector", dense_db.VECTOR_TYPES)
+@pytest.mark.parametrize("kind", dense_db.INDEX_KINDS)
+def test_ann_recall_against_exact_search(db_dsn: str, kind: str, vector: str) -> None:
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(40, 64))  # clustered, as hidden states are
     vectors = (centres[rng.integers(0, 40, 4000)] + 0.7 * rng.normal(size=(4000, 64))).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     with psycopg.connect(db_dsn) as conn:
         dense_db.ensure_vector(conn)
-        dense_db.create_table(conn, 999_999, dims=64)
+        dense_db.create_table(conn, 999_999, dims=64, vector=vector)
         dense_db.copy_rows(conn, 999_999, ((v, [i, i + 1]) for i, v in enumerate(vectors)))
-        index = dense_db.AnnIndex.for_rows(kind, len(vectors))  # IVFFlat: 40 lists, 20 probed
+        index = dense_db.AnnIndex.for_rows(kind, len(vectors), vector=vector)  # IVFFlat: 40 lists, 20 probed
         dense_db.finish_table(conn, 999_999, index=index)
         queries = vectors[:50] + 0.5 * rng.normal(size=(50, 64)).astype(np.float32)
         queries /= np.linalg.norm(queries, axis=1, keepdims=True)
         dense_db.tune(conn, index)
-        approx = dense_db.search(conn, 999_999, queries, k=10)
-        exact = dense_db.search(conn, 999_999, queries, k=10, exact=True)
+        approx = dense_db.search(conn, 999_999, queries, k=10, vector=vector)
+        exact = dense_db.search(conn, 999_999, queries, k=10, exact=True, vector=vector)
         plan = "\n".join(
             r[0]
             for r in conn.execute(
-                "EXPLAIN SELECT 1 FROM crest_dense_s999999 ORDER BY embedding <#> %s::vector LIMIT 10",
+                f"EXPLAIN SELECT 1 FROM crest_dense_s999999 ORDER BY embedding <#> %s::{vector} LIMIT 10",
                 (dense_db.vector_text(queries[0]),),
             )
         )
     assert f"crest_dense_s999999_{kind}" in plan  # the index answers, not a scan
-    truth = np.argsort(-(queries @ vectors.T), axis=1)[:, :10]
-    assert [[c[0] for c, _ in row] for row in exact] == truth.tolist()  # exact search is exact
+    truth = np.argsort(-(queries @ vectors.T), axis=1)[:, :10]  # float32
+    held = np.float16 if vector == "halfvec" else np.float32  # what the column holds and the query is cast to
+    stored, asked = (x.astype(held).astype(np.float32) for x in (vectors, queries))
+    exactly = np.argsort(-(asked @ stored.T), axis=1)[:, :10]
+    assert [[c[0] for c, _ in row] for row in exact] == exactly.tolist()  # exact search is exact
     recall = np.mean([len({c[0] for c, _ in a} & set(t.tolist())) / 10 for a, t in zip(approx, truth, strict=True)])
     assert recall >= 0.9, recall
     assert all(row[0][1] >= row[-1][1] for row in approx)  # best first
@@ -105,8 +117,12 @@ def test_neighbour_draft_keeps_agreeing_neighbours_weighted_by_similarity() -> N
     assert neighbour_draft(found, 11) is None
 
 
-@pytest.mark.parametrize("name", DENSE_DRAFTERS)
-def test_greedy_output_is_exact_with_every_dense_drafter(db_dsn: str, dense_store: Any, loaded: Any, name: str) -> None:
+@pytest.mark.parametrize(("name", "precision"), [*((n, "half") for n in DENSE_DRAFTERS), ("dense", "single")])
+def test_greedy_output_is_exact_with_every_dense_drafter(
+    db_dsn: str, corpus: Path, tiny_dir: Path, loaded: Any, name: str, precision: str
+) -> None:
+    built = ingest_dense(db_dsn, corpus, tiny_dir, precision=precision)
+    assert column_type(db_dsn, built.store_id).startswith(dense_db.PRECISIONS[precision])
     gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, adaptive=False, max_draft_tokens=24)
     drafter = open_drafter(name, store="words", dsn=db_dsn)
     drafted = accepted = 0
@@ -273,9 +289,44 @@ def test_sql_dense_reports_the_dense_part_size(db_dsn: str, dense_store: Any) ->
         conn.execute(f"ANALYZE crest_dense_s{dense_store.store_id}")
         rows = cur.execute(sql_file.read_text()).fetchall()
     assert len(rows) == 1 and rows[0]["version"] == dense_store.store_id and rows[0]["dims"] == 16
-    assert rows[0]["index_kind"] == "ivfflat"
+    assert rows[0]["index_kind"] == "ivfflat" and rows[0]["precision"] == "half"  # the default
     assert rows[0]["rows_estimate"] == dense_store.tokens - 2 * dense_store.documents
     assert rows[0]["table_bytes"] > 0 and rows[0]["index_bytes"] > 0 and rows[0]["bytes_per_row"] > 16 * 4
+
+
+def test_a_part_recorded_without_a_precision_reads_as_single(db_dsn: str, corpus: Path, tiny_dir: Path) -> None:
+    built = ingest_dense(db_dsn, corpus, tiny_dir, precision="single")
+    with psycopg.connect(db_dsn) as conn:  # as a part built before the choice existed records its index
+        conn.execute("UPDATE crest_dense SET figures = figures #- '{index,vector}' #- '{options,precision}'")
+    index = open_dense("words", dsn=db_dsn)
+    try:
+        assert index.meta is not None and "vector" not in index.meta.figures["index"]
+        assert index.meta.index.vector == "vector" and column_type(db_dsn, built.store_id) == "vector(16)"
+        found = index.search(np.ones((2, index.meta.hidden_size), dtype=np.float32), k=3)
+        assert [len(row) for row in found] == [3, 3]  # a float32 query on the float32 column: neighbours, no error
+    finally:
+        index.close()
+
+
+@pytest.mark.parametrize(("option", "env"), [(["--dense-precision", "double"], {}), ([], {"precision": "double"})])
+def test_a_bad_dense_precision_is_a_clear_error(
+    corpus: Path,
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    option: list[str],
+    env: dict[str, str],
+) -> None:
+    from tests.fix_cli import one_error_line, run
+
+    monkeypatch.setenv("CREST_HOME", str(tmp_path))
+    for value in env.values():
+        monkeypatch.setenv("CREST_DENSE_PRECISION", value)
+    args = ["ingest", str(corpus), "--store", "w", "--tokenizer", str(tiny_dir), "--dense-model", str(tiny_dir)]
+    code, _, err = run(monkeypatch, capsys, *args, *option)
+    assert code == 2  # ConfigError, before anything is read or built
+    assert "--dense-precision must be one of half, single, not 'double'" in one_error_line(err)
 
 
 @pytest.mark.slow  # a `crest` subprocess that loads torch and the model, 10-60 s

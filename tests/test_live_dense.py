@@ -26,6 +26,7 @@ from crest.learning import refresh_live
 from crest.serving.engine import Engine
 from crest.serving.learning import LearnOptions
 from crest.serving.scheduler import Outcome, Scheduler
+from tests.fix_dense import column_type, ingest_dense
 from tests.fix_learning import published, start_paused_refresh, wait_until_unlocked
 from tests.fix_proxy import Proxy
 from tests.fix_serving import flat_cost
@@ -147,6 +148,29 @@ def test_served_output_becomes_live_dense_entries_after_a_refresh(
     index._live_next = 0.0  # look for a live part on the next search, not within a second
     index.search(np.zeros((1, meta.hidden_size)), k=1)
     assert index.live == done.store_id
+
+
+@pytest.mark.parametrize("precision", ["half", "single"])
+def test_the_live_part_takes_the_static_parts_precision(
+    db_dsn: str, corpus: Path, tiny_dir: Path, served: Any, precision: str
+) -> None:
+    static = ingest_dense(db_dsn, corpus, tiny_dir, precision=precision)
+    engine = _engine(served, db_dsn)
+    try:
+        _serve(engine, LIVE_PROMPTS[:1])
+        done = refresh_live(db_dsn, "words")
+        assert done is not None and done.dense_rows > 0
+        want = f"{dense_db.PRECISIONS[precision]}(16)"
+        assert column_type(db_dsn, static.store_id) == column_type(db_dsn, done.store_id) == want
+        with psycopg.connect(db_dsn) as conn:
+            live = dense_db.read_meta(conn, done.store_id)
+        assert live is not None and live.index.vector == dense_db.PRECISIONS[precision]  # recorded as built
+        index = engine.dense_index("words")
+        index._live_next = 0.0  # look for the live part on the next search
+        assert len(index.search(np.ones((1, live.hidden_size)), k=4)[0]) == 4  # static and live in one statement
+        assert index.live == done.store_id
+    finally:
+        engine.stop()
 
 
 def test_the_same_prompt_served_again_drafts_from_the_live_entries_and_stays_exact(

@@ -100,7 +100,7 @@ def compare_indexes(
     """Build each candidate's index on a scratch copy; return its batch latency (p50/p95 ms) and recall@k."""
     truth = np.argsort(-(queries @ vectors.T), axis=1)[:, :k] + 1  # [Q, k] ids of the exact nearest
     conns: list[psycopg.Connection[Any]] = []
-    built: list[tuple[float, int]] = []  # (build seconds, index bytes) per candidate
+    built: list[tuple[float, int, int]] = []  # (build seconds, table bytes, index bytes) per candidate
     try:
         with psycopg.connect(dsn, autocommit=True) as admin:
             dims = int(vectors.shape[1])
@@ -130,7 +130,8 @@ def compare_indexes(
             v.label: {
                 "index": v.index.record(),
                 "build_seconds": round(built[i][0], 2),
-                "index_bytes": built[i][1],
+                "table_bytes": built[i][1],  # (id, embedding) rows: the vectors' share of a dense table
+                "index_bytes": built[i][2],
                 "p50_ms": round(1000 * float(np.percentile(times[i], 50)), 2),
                 "p95_ms": round(1000 * float(np.percentile(times[i], 95)), 2),
                 "cpu_ms": _per_batch(cpu[i], rounds),
@@ -148,10 +149,10 @@ def _per_batch(seconds: float | None, rounds: int) -> float | None:
 
 def _scratch_copy(
     conn: psycopg.Connection[Any], store_id: int, i: int, index: dense_db.AnnIndex, *, dims: int
-) -> tuple[float, int]:
+) -> tuple[float, int, int]:
     """Copy the dense part into scratch table i (id, embedding of the index's type) and index it.
 
-    Return the index's build seconds and bytes.
+    Return the index's build seconds, the table's bytes and the index's bytes.
     """
     table = sql.Identifier(_SCRATCH.format(i))
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
@@ -164,8 +165,10 @@ def _scratch_copy(
     t0 = time.perf_counter()
     dense_db.build_index(conn, table, f"{_SCRATCH.format(i)}_idx", index)
     seconds = time.perf_counter() - t0
-    row = conn.execute("SELECT pg_indexes_size(to_regclass(%s))", (_SCRATCH.format(i),)).fetchone()
-    return seconds, int(row[0]) if row else 0
+    name = _SCRATCH.format(i)
+    sizes = "SELECT pg_table_size(to_regclass(%s)), pg_indexes_size(to_regclass(%s))"
+    row = conn.execute(sizes, (name, name)).fetchone()
+    return (seconds, int(row[0]), int(row[1])) if row else (seconds, 0, 0)
 
 
 def _recall(

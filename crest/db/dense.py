@@ -1,10 +1,11 @@
 """What crest says to PostgreSQL about a store version's dense part: pgvector rows, their ANN index, the projection.
 
-A dense part is a stand-alone table `crest_dense_s<ID>` of (embedding vector(D), continuation int4[]) rows
-filled by the build of version ID with COPY and indexed for inner product (the embeddings are unit length, so
+A dense part is a stand-alone table `crest_dense_s<ID>` of (embedding halfvec(D) or vector(D), continuation int4[])
+rows filled by the build of version ID with COPY and indexed for inner product (the embeddings are unit length, so
 inner product is cosine) with the ANN index its `AnnIndex` names (IVFFlat by default, HNSW selectable), plus one
 `crest_dense` row with what turns a hidden state into a query (`DenseMeta`: mean, scale, PCA components), the
-model it was built with and its figures, which record the index and its search setting. The table belongs to the
+model it was built with and its figures, which record the index, its search setting and the column type (the
+precision: halfvec, float16, by default; a part recorded without one is float32 `vector`). The table belongs to the
 version: the version's publication makes it visible (readers resolve the published version first) and its
 clean-up drops it (`crest.db.versions` drops `crest_dense_s<ID>` with the version's other tables). A batch of
 queries is one statement: a LATERAL nearest-neighbour scan per query vector. Table names are built from integer
@@ -27,6 +28,7 @@ from crest.errors import DatabaseError
 
 INDEX_KINDS = ("ivfflat", "hnsw")  # `crest ingest --dense-index`; the first is the default
 VECTOR_TYPES = ("vector", "halfvec")  # pgvector's float32 and float16 column types
+PRECISIONS = {"half": "halfvec", "single": "vector"}  # `crest ingest --dense-precision` -> the column type
 EF_SEARCH = 100  # HNSW candidate list of a query (pgvector's default 40 finds ~85% of the true 10 nearest)
 HNSW_M, HNSW_EF_CONSTRUCTION = 16, 64  # pgvector's defaults
 ROWS_PER_LIST = 100  # IVFFlat: about this many rows a list (at most 4 sqrt(rows) lists; docs/benchmarks.md)
@@ -91,6 +93,13 @@ class AnnIndex:
         if self.kind == "hnsw":
             return sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(int(self.ef_search)))
         return sql.SQL("SET ivfflat.probes = {}").format(sql.Literal(int(self.probes)))
+
+
+def vector_type(precision: str) -> str:
+    """Return the column type of a dense part's `precision` (half or single); ValueError for another name."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown dense precision {precision!r}")
+    return PRECISIONS[precision]
 
 
 def dense_table(store_id: int) -> sql.Identifier:

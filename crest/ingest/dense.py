@@ -10,7 +10,8 @@ the mean and standard deviation standardise, the top `dims` eigenvectors of the 
 (PCA), and each reduced vector is L2-normalised; the vectors are then streamed from the file into the version's
 pgvector table with the `continuation` tokens after their position (the first of them is the token the state
 predicted) and indexed with the ANN index `index` names (IVFFlat by default, HNSW selectable; its parameters
-follow from the row count, `crest.db.dense.AnnIndex`, and are recorded in the part's figures).
+follow from the row count, `crest.db.dense.AnnIndex`, and are recorded in the part's figures) in the column type
+`precision` names (half: pgvector's float16 halfvec, the default; single: float32 vector).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from crest_client.embedded import crest_home
 
-from crest.config import fault_pause
+from crest.config import DEFAULT_DENSE_PRECISION, fault_pause
 from crest.db import dense as dense_db
 from crest.decoding.hidden import final_hidden, model_fingerprint
 from crest.errors import ConfigError, TokenizerError
@@ -40,7 +41,7 @@ _CHUNK_ROWS = 1 << 15  # states projected and copied at once
 
 @dataclass(frozen=True)
 class DenseOptions:
-    """How the dense part is built: the model, vector dims, sampled positions, continuation, batching and index."""
+    """How the dense part is built: model, vector dims, sampled positions, continuation, batching, index, precision."""
 
     model: str
     dims: int = 64
@@ -52,6 +53,7 @@ class DenseOptions:
     seed: int = 0
     engine: str = "inprocess"  # the ingest engine it is built in: the in-process one only
     index: str = dense_db.INDEX_KINDS[0]  # the ANN index kind (crest.db.dense.INDEX_KINDS)
+    precision: str = DEFAULT_DENSE_PRECISION  # half (halfvec, float16) or single (vector, float32)
 
     def validate(self) -> DenseOptions:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -59,6 +61,10 @@ class DenseOptions:
             raise ConfigError(f"--dense-model builds with --engine inprocess only, not {self.engine}")
         if self.index not in dense_db.INDEX_KINDS:
             raise ConfigError(f"--dense-index must be one of {', '.join(dense_db.INDEX_KINDS)}, not {self.index!r}")
+        if self.precision not in dense_db.PRECISIONS:
+            raise ConfigError(
+                f"--dense-precision must be one of {', '.join(dense_db.PRECISIONS)}, not {self.precision!r}"
+            )
         for label, value, low, high in (
             ("--dense-dims", self.dims, 2, 4096),
             ("--dense-positions", self.positions, 1, 10**10),
@@ -147,12 +153,13 @@ def build_dense(
         rep.done("dense: embed")
         embed_seconds = time.perf_counter() - started
         mean, scale, components, explained = moments.projection(dims)
-        dense_db.create_table(conn, build.store_id, dims=dims)
+        vector = dense_db.vector_type(options.precision)
+        dense_db.create_table(conn, build.store_id, dims=dims, vector=vector)
         t0 = time.perf_counter()
         loading = _rows(states, positions, tokens, offsets, options, (mean, scale, components))
         written = dense_db.copy_rows(conn, build.store_id, loading)
         fault_pause("dense")  # test hook: the rows are in, not indexed nor published
-        index = dense_db.AnnIndex.for_rows(options.index, written)
+        index = dense_db.AnnIndex.for_rows(options.index, written, vector=vector)
         dense_db.finish_table(conn, build.store_id, index=index)
         load_seconds = time.perf_counter() - t0
     figures = {
