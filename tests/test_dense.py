@@ -98,6 +98,7 @@ def test_ann_recall_against_exact_search(db_dsn: str, kind: str, vector: str) ->
             )
         )
     assert f"crest_dense_s999999_{kind}" in plan  # the index answers, not a scan
+    assert column_type(db_dsn, 999_999) == f"{vector}(64)"  # the precision asked for is the one searched
     truth = np.argsort(-(queries @ vectors.T), axis=1)[:, :10]  # float32
     held = np.float16 if vector == "halfvec" else np.float32  # what the column holds and the query is cast to
     stored, asked = (x.astype(held).astype(np.float32) for x in (vectors, queries))
