@@ -28,6 +28,13 @@ settings.load_profile(os.environ.get("CREST_HYPOTHESIS_PROFILE") or ("ci" if os.
 def pytest_configure(config: pytest.Config) -> None:
     os.environ["CREST_HOME"] = str(_HOME)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # several workers on few cores: OpenMP threads that spin-wait for each other slow a real-model test
+        # tenfold under load (one ran past the 600 s timeout); one thread per worker and per subprocess it starts
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
