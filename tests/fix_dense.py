@@ -61,6 +61,23 @@ def corpus(tiny_dir: Path, loaded: Any, tmp_path_factory: pytest.TempPathFactory
     return write_jsonl(path, [{"text": t} for t in texts])
 
 
+def dense_engine(
+    loaded: Any, dsn: str, *, drafter: str = "dense", learning: Any = None, retry_interval: float = 5.0
+) -> Any:
+    """Return an Engine on store `words` (no thread, no HTTP: tests step its scheduler), drafting with `drafter`."""
+    from crest.decoding.tokenizer import Tokenizer
+    from crest.serving.engine import Engine
+    from crest.serving.scheduler import Scheduler
+    from tests.fix_serving import flat_cost
+
+    sched = Scheduler(loaded.model, loaded.tokenizer, cost=flat_cost(), max_batch=8)
+    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint
+    return Engine(
+        sched, loaded.tokenizer, model_name="tiny", store="words", drafter=drafter, dsn=dsn, fingerprint=fingerprint,
+        retry_interval=retry_interval, learning=learning,
+    )  # fmt: skip
+
+
 def ingest_dense(dsn: str, corpus: Path, tiny_dir: Path, **dense: Any) -> Any:
     """Ingest the corpus as store `words` with a 16-dimension dense part of the tiny model; return the build."""
     options = DenseOptions(str(tiny_dir), dims=16, positions=dense.pop("positions", 10_000), continuation=8, **dense)

@@ -20,14 +20,13 @@ import pytest
 import torch
 
 from crest.decoding.generator import SpeculativeGenerator
-from crest.decoding.tokenizer import Tokenizer
 from crest.drafters.dense_index import DenseIndex, open_dense
 from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.errors import ModelError
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
-from crest.serving.scheduler import Outcome, Scheduler
-from tests.fix_dense import DENSE_DRAFTERS, PROMPTS, save_tiny
+from crest.serving.scheduler import Outcome
+from tests.fix_dense import DENSE_DRAFTERS, PROMPTS, dense_engine, save_tiny
 from tests.fix_proxy import Proxy
 from tests.fix_serving import Running, flat_cost
 
@@ -61,12 +60,7 @@ def _ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def _engine(loaded: Any, dsn: str, *, drafter: str = "dense", retry_interval: float = 5.0) -> Engine:
-    sched = Scheduler(loaded.model, loaded.tokenizer, cost=flat_cost(), max_batch=8)
-    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint
-    return Engine(
-        sched, loaded.tokenizer, model_name="tiny", store="words", drafter=drafter, dsn=dsn, fingerprint=fingerprint,
-        retry_interval=retry_interval,
-    )  # fmt: skip
+    return dense_engine(loaded, dsn, drafter=drafter, retry_interval=retry_interval)
 
 
 @pytest.fixture

@@ -21,15 +21,13 @@ import torch
 from crest.db import dense as dense_db
 from crest.decoding.generator import SpeculativeGenerator
 from crest.decoding.hidden import final_hidden
-from crest.decoding.tokenizer import Tokenizer
 from crest.learning import refresh_live
 from crest.serving.engine import Engine
 from crest.serving.learning import LearnOptions
-from crest.serving.scheduler import Outcome, Scheduler
-from tests.fix_dense import column_type, ingest_dense
+from crest.serving.scheduler import Outcome
+from tests.fix_dense import column_type, dense_engine, ingest_dense
 from tests.fix_learning import published, start_paused_refresh, wait_until_unlocked
 from tests.fix_proxy import Proxy
-from tests.fix_serving import flat_cost
 
 pytest_plugins = ["tests.fix_corpus", "tests.fix_dense"]
 pytestmark = pytest.mark.usefixtures("torch_threads")
@@ -61,12 +59,7 @@ def _ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def _engine(loaded: Any, dsn: str, *, learning: LearnOptions = QUIET, retry_interval: float = 5.0) -> Engine:
-    sched = Scheduler(loaded.model, loaded.tokenizer, cost=flat_cost(), max_batch=8)
-    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint
-    return Engine(
-        sched, loaded.tokenizer, model_name="tiny", store="words", drafter="dense", dsn=dsn, fingerprint=fingerprint,
-        retry_interval=retry_interval, learning=learning,
-    )  # fmt: skip
+    return dense_engine(loaded, dsn, learning=learning, retry_interval=retry_interval)
 
 
 @pytest.fixture
