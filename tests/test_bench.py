@@ -58,7 +58,7 @@ def test_bench_lookup_batch_times_draft_many(db_dsn: str) -> None:
 
 
 def test_bench_lookup_batch_refuses_a_bad_batch(db_dsn: str) -> None:
-    from crest.bench.lookup import bench_batch
+    from crest.bench.lookup_batch import bench_batch
     from crest.errors import ConfigError
 
     with pytest.raises(ConfigError, match="must be positive"):

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from crest.bench.lookup import bench_load
+from crest.bench.lookup_load import bench_load
 from crest.cli.app import app
 from crest.errors import ConfigError
 from tests.fix_store import ROWS, publish
