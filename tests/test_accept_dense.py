@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from crest.bench.accept import AcceptOptions, run_accept
@@ -34,6 +35,7 @@ def test_bench_accept_measures_dense_and_hybrid_rows(db_dsn: str, corpus: Path, 
         dense_positions=(30, 10_000),
         dense_dims=16,
         dense_continuation=8,
+        dense_precision="single",
     )
     out = tmp_path / "out"
     run_accept(opts, model=str(tiny_dir), dsn=db_dsn, out=out, argv=["crest", "bench", "accept"])
@@ -58,6 +60,12 @@ def test_bench_accept_measures_dense_and_hybrid_rows(db_dsn: str, corpus: Path, 
     assert set(saved["dense_comparison"]) == {"equal_storage", "above_everywhere"}
     assert "p=30" in (out / "accept.md").read_text()
     assert (out / "accept_custom.png").stat().st_size > 1000
+    with psycopg.connect(db_dsn) as conn:  # the dense parts were built with the asked precision, not the default
+        kinds = conn.execute(
+            "SELECT DISTINCT format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid::regclass::text LIKE 'crest_dense_s%' AND attname = 'embedding'"
+        ).fetchall()
+    assert kinds == [("vector(16)",)]
 
 
 def test_dense_sizes_follow_rest_bytes_and_hybrids_take_the_named_store() -> None:
@@ -78,6 +86,8 @@ def test_dense_options_are_checked() -> None:
         AcceptOptions(setting="code", dense_continuation=1).validate()
     with pytest.raises(ConfigError, match="--dense-top-t"):
         AcceptOptions(setting="code", top_t=(5, 40), dense_top_t=7).validate()
+    with pytest.raises(ConfigError, match="--dense-precision"):
+        AcceptOptions(setting="code", dense_precision="double").validate()
 
 
 def test_cli_rejects_bad_dense_options(

@@ -63,9 +63,14 @@ def build_dense_stores(
     found = []
     for count in positions:
         dense = DenseOptions(
-            model=model, dims=opts.dense_dims, positions=count, continuation=opts.dense_continuation, seed=opts.seed
+            model=model,
+            dims=opts.dense_dims,
+            positions=count,
+            continuation=opts.dense_continuation,
+            seed=opts.seed,
+            precision=opts.dense_precision,
         )
-        name = f"acc_{setting}_dense{tag}_p{count}"
+        name = f"acc_{setting}_dense{tag}_{opts.dense_precision}_p{count}"
         built = build_store(
             source,
             name=name,

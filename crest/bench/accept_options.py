@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from crest.config import KEEP_RULES
+from crest.config import DEFAULT_DENSE_PRECISION, KEEP_RULES
+from crest.db.dense import PRECISIONS
 from crest.drafters.registry import names
 from crest.errors import ConfigError
 
@@ -53,6 +54,7 @@ class AcceptOptions:
     dense_top_t: int | None = None  # the crest store the hybrids merge with; None: the largest top-t
     dense_dims: int = 64
     dense_continuation: int = 16
+    dense_precision: str = DEFAULT_DENSE_PRECISION  # the dense parts' vectors: half (halfvec) or single (vector)
     mt_bench: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
@@ -75,6 +77,8 @@ class AcceptOptions:
             raise ConfigError("--dense-positions values must be positive and --dense-dims between 2 and 4096")
         if not 2 <= self.dense_continuation <= 256:
             raise ConfigError("--dense-continuation must be between 2 and 256")
+        if self.dense_precision not in PRECISIONS:
+            raise ConfigError(f"--dense-precision must be one of {', '.join(PRECISIONS)}, not {self.dense_precision!r}")
         if any(k not in KEEP_RULES for k in self.keep):
             raise ConfigError(f"unknown --keep {','.join(self.keep)!r}: use count, savings or marginal")
         if self.timing not in TIMING:

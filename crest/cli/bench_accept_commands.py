@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Chat, Device, Dsn, Dtype, MaxDraftTokens, MaxNewTokens, Model, SuffixRule
+from crest.config import DEFAULT_DENSE_PRECISION
 
 
 def bench_accept_cmd(
@@ -58,6 +59,9 @@ def bench_accept_cmd(
     dense_top_t: Annotated[int | None, typer.Option(help="The crest store the hybrids merge with.")] = None,
     dense_dims: Annotated[int, typer.Option(help="Dense vector dimensions (PCA).")] = 64,
     dense_continuation: Annotated[int, typer.Option(help="Tokens stored after each dense position.")] = 16,
+    dense_precision: Annotated[
+        str, typer.Option(help="The dense parts' vectors: half (halfvec) or single (vector).")
+    ] = DEFAULT_DENSE_PRECISION,
     device: Device = "cpu",
     dtype: Dtype = "float32",
     dsn: Dsn = None,
@@ -96,6 +100,7 @@ def bench_accept_cmd(
         dense_top_t=dense_top_t,
         dense_dims=dense_dims,
         dense_continuation=dense_continuation,
+        dense_precision=dense_precision,
         mt_bench=mt_bench,
         device=device,
         dtype=dtype,
