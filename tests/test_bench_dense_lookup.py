@@ -48,7 +48,7 @@ def test_variants_parse_kind_vector_and_settings() -> None:
     assert parse_variant("ivfflat", rows=100_000).index.record() == {
         "kind": "ivfflat",
         "vector": "vector",
-        "lists": 1000,
+        "lists": 2000,  # about 50 rows a list, 1% probed (1,000 rows a query)
         "probes": 20,
     }
     assert parse_variant("hnsw+halfvec:ef_search=24", rows=10).index == AnnIndex(vector="halfvec", ef_search=24)

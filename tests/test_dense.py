@@ -109,6 +109,29 @@ def test_ann_recall_against_exact_search(db_dsn: str, kind: str, vector: str) ->
     assert all(row[0][1] >= row[-1][1] for row in approx)  # best first
 
 
+@pytest.mark.parametrize("vector", dense_db.VECTOR_TYPES)
+def test_a_batch_too_big_for_one_query_vector_is_split_and_answers_alike(
+    db_dsn: str, vector: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(300, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = vectors[:10] + 0.3 * rng.normal(size=(10, 16)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        dense_db.ensure_vector(conn)
+        dense_db.create_table(conn, 999_998, dims=16, vector=vector)
+        dense_db.copy_rows(conn, 999_998, ((v, [i]) for i, v in enumerate(vectors)))  # no index: exact scans
+        whole = dense_db.search(conn, 999_998, queries, k=5, vector=vector)
+        monkeypatch.setattr(dense_db, "QUERY_COMPONENTS", 3 * 16)  # 3 queries a statement: 4 statements
+        split = dense_db.search(conn, 999_998, queries, k=5, vector=vector)
+    held = np.float16 if vector == "halfvec" else np.float32  # the column's and the packed queries' precision
+    stored, asked = (x.astype(held).astype(np.float32) for x in (vectors, queries))
+    truth = np.argsort(-(asked @ stored.T), axis=1)[:, :5]
+    assert [[c[0] for c, _ in row] for row in whole] == truth.tolist()  # each query answered as its own
+    assert split == whole
+
+
 def test_neighbour_draft_keeps_agreeing_neighbours_weighted_by_similarity() -> None:
     found = [([5, 6, 7], 0.9), ([4, 9], 0.8), ([5, 6, 8], 0.5), ([5, 3], 0.2)]
     tree = neighbour_draft(found, 5, tree_size=10)

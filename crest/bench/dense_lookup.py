@@ -1,16 +1,16 @@
 """The dense lookup measured side by side: a batch's latency and recall@k of each ANN index on one dense part.
 
-`compare_indexes` copies a published store's dense part into scratch tables, one per candidate (`parse_variant`:
-the index kind, the vector type, build and search parameters, e.g. `ivfflat:lists=100:probes=8` or
-`hnsw+halfvec`), builds each candidate's index and sends the same batches of query vectors to every candidate
-in turn, round after round, so that a loaded machine weighs on all of them alike; the load average is read
-before and after. Each candidate searches through its own connection, tuned once, with the statement the
-drafters send (`crest.db.dense.search_table`, one per batch). Beside each batch's wall time, its CPU time: the
-server backend's (from /proc, when the database runs on this machine) plus this process's, which a loaded
+`compare_indexes` copies a published store's dense part into scratch tables, one per candidate (`parse_variant`: the
+index kind, the vector type, build and search parameters, e.g. `ivfflat:lists=100:probes=8` or `hnsw+halfvec`),
+builds each candidate's index and sends the same batches of query vectors to every candidate in turn, round after
+round, so that a loaded machine weighs on all of them alike; the load average is read before and after. Each
+candidate searches through its own connection, tuned once, with the statement the drafters send
+(`crest.db.dense.search_table`, one per batch, continuations fetched). Beside each batch's wall time, its CPU time:
+the server backend's (from /proc, when the database runs on this machine) plus this process's, which a loaded
 machine does not inflate (a quiet core's wall time is about that). Recall@k is against exact search on the stored
-float32 vectors (numpy). The queries are the target's own hidden states (`hidden_queries`: one forward over
-prompts, projected as a drafter's are) or stored vectors plus noise (`noisy_queries`). The scratch tables are
-dropped at the end.
+float32 vectors (numpy). The queries are the target's own hidden states (`hidden_queries`: one forward over prompts,
+projected as a drafter's are) or stored vectors plus noise (`noisy_queries`). The scratch tables are dropped at the
+end.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def compare_indexes(
             v.label: {
                 "index": v.index.record(),
                 "build_seconds": round(built[i][0], 2),
-                "table_bytes": built[i][1],  # (id, embedding) rows: the vectors' share of a dense table
+                "table_bytes": built[i][1],  # (id, embedding, continuation) rows: a dense table and an id
                 "index_bytes": built[i][2],
                 "p50_ms": round(1000 * float(np.percentile(times[i], 50)), 2),
                 "p95_ms": round(1000 * float(np.percentile(times[i], 95)), 2),
@@ -150,7 +150,7 @@ def _per_batch(seconds: float | None, rounds: int) -> float | None:
 def _scratch_copy(
     conn: psycopg.Connection[Any], store_id: int, i: int, index: dense_db.AnnIndex, *, dims: int
 ) -> tuple[float, int, int]:
-    """Copy the dense part into scratch table i (id, embedding of the index's type) and index it.
+    """Copy the dense part into scratch table i (id, embedding of the index's type, continuation) and index it.
 
     Return the index's build seconds, the table's bytes and the index's bytes.
     """
@@ -159,7 +159,7 @@ def _scratch_copy(
     conn.execute(
         sql.SQL(
             "CREATE TABLE {} AS SELECT row_number() OVER (ORDER BY ctid)::int AS id,"
-            " embedding::{}({}) AS embedding FROM {}"
+            " embedding::{}({}) AS embedding, continuation FROM {}"
         ).format(table, sql.SQL(index.vector), sql.Literal(dims), dense_db.dense_table(store_id))
     )
     t0 = time.perf_counter()
@@ -206,7 +206,7 @@ def _time_rounds(
         for j in np.roll(np.arange(len(variants)), r).tolist():
             table = sql.Identifier(_SCRATCH.format(j))
             server, client, t0 = _backend_cpu(conns[j]), time.process_time(), time.perf_counter()
-            dense_db.search_table(conns[j], table, picked, k=k, vector=variants[j].index.vector, payload="id")
+            dense_db.search_table(conns[j], table, picked, k=k, vector=variants[j].index.vector)  # the drafter's
             wall, used, after = time.perf_counter() - t0, time.process_time() - client, _backend_cpu(conns[j])
             if r >= 5:
                 times[j].append(wall)

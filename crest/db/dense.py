@@ -8,14 +8,15 @@ model it was built with and its figures, which record the index, its search sett
 precision: halfvec, float16, by default; a part recorded without one is float32 `vector`). The table belongs to the
 version: the version's publication makes it visible (readers resolve the published version first) and its
 clean-up drops it (`crest.db.versions` drops `crest_dense_s<ID>` with the version's other tables). A batch of
-queries is one statement: a LATERAL nearest-neighbour scan per query vector. Table names are built from integer
-ids only.
+queries is one statement: a LATERAL nearest-neighbour scan per query vector, the queries sent as one binary
+pgvector parameter (`PackedVectors`) and the rows read in binary. Table names are built from integer ids only.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 import psycopg
 from psycopg import sql
+from psycopg.adapt import Dumper
+from psycopg.pq import Format
 
 from crest.errors import DatabaseError
 
@@ -31,9 +34,14 @@ VECTOR_TYPES = ("vector", "halfvec")  # pgvector's float32 and float16 column ty
 PRECISIONS = {"half": "halfvec", "single": "vector"}  # `crest ingest --dense-precision` -> the column type
 EF_SEARCH = 100  # HNSW candidate list of a query (pgvector's default 40 finds ~85% of the true 10 nearest)
 HNSW_M, HNSW_EF_CONSTRUCTION = 16, 64  # pgvector's defaults
-ROWS_PER_LIST = 100  # IVFFlat: about this many rows a list (at most 4 sqrt(rows) lists; docs/benchmarks.md)
-PROBE_SHARE = 0.02  # IVFFlat: share of the lists a query scans (recall@16 0.94 at 100k rows)...
-SCAN_MIN = 2000  # ... and at least about this many rows (a small table is searched nearly exactly)
+# IVFFlat (docs/benchmarks.md, "The 5 ms batch"): a query's cost is pgvector's full sort of every row of the lists
+# it probes, so fine lists (fewer rows for the same recall) are cheaper; k-means memory bounds how fine.
+ROWS_PER_LIST = 50  # about this many rows a list...
+MAX_LISTS = 2000  # ... at most this many: pgvector's k-means needs 4 x 50 lists x lists bytes (800 MB here)
+PROBE_SHARE = 0.01  # share of the lists a query scans (recall@16 0.93 at 100k rows, 1,000 rows scanned)...
+SCAN_MIN = 1000  # ... and at least about this many rows (a small table is searched nearly exactly)
+BUILD_MEMORY_MB = 256  # maintenance_work_mem of an index build, or what IVFFlat's k-means needs when more
+QUERY_COMPONENTS = 16000  # pgvector's most dimensions of a vector: a statement's queries travel as one
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class AnnIndex:
             raise ValueError(f"unknown dense index {kind!r} over {vector!r}")
         if kind == "hnsw":
             return cls(kind="hnsw", vector=vector)
-        lists = max(1, min(rows // ROWS_PER_LIST, round(4 * math.sqrt(max(rows, 1)))))
+        lists = max(1, min(rows // ROWS_PER_LIST, MAX_LISTS))
         probes = min(lists, max(math.ceil(PROBE_SHARE * lists), math.ceil(SCAN_MIN * lists / max(rows, 1))))
         return cls(kind="ivfflat", vector=vector, lists=lists, probes=probes)
 
@@ -87,6 +95,13 @@ class AnnIndex:
         return sql.SQL("CREATE INDEX {} ON {} USING {} (embedding {}) WITH ({})").format(
             sql.Identifier(name), table, sql.SQL(self.kind), sql.SQL(f"{self.vector}_ip_ops"), params
         )
+
+    def build_memory_mb(self) -> int:
+        """Return the maintenance_work_mem (MB) that building this index needs (IVFFlat: k-means on its samples)."""
+        if self.kind == "hnsw":
+            return BUILD_MEMORY_MB  # a graph that outgrows it builds slower, never fails
+        samples = max(50 * self.lists, 10_000)  # pgvector samples 50 rows a list: a [samples, lists] float32 bound
+        return max(BUILD_MEMORY_MB, math.ceil(4 * samples * self.lists / 2**20) + 64)
 
     def setting(self) -> sql.Composed:
         """Return the SET statement of this index's search setting (a session's, once per connection)."""
@@ -189,8 +204,9 @@ def finish_table(conn: psycopg.Connection[Any], store_id: int, *, index: AnnInde
 def build_index(conn: psycopg.Connection[Any], table: sql.Identifier, name: str, index: AnnIndex | None) -> None:
     """Build `index` named `name` on a dense table, then analyze the table."""
     with conn.transaction():
-        conn.execute("SET LOCAL maintenance_work_mem = '256MB'")
-        conn.execute((index or AnnIndex()).create(table, name))
+        index = index or AnnIndex()
+        conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(f"{index.build_memory_mb()}MB"))
+        conn.execute(index.create(table, name))
     conn.execute(sql.SQL("ANALYZE {}").format(table))
     conn.commit()
 
@@ -283,19 +299,63 @@ def search_table(
     payload: str = "continuation",
 ) -> list[list[tuple[Any, float]]]:
     """Return, per unit query vector [B, D], the `payload` column and similarity of its `k` nearest rows in `table`."""
-    if len(queries) == 0:
-        return []
-    order = "(embedding <#> q.v) + 0" if exact else "embedding <#> q.v"  # an expression the index cannot serve
-    query = sql.SQL(
-        "SELECT q.i, d.payload, d.sim FROM unnest(%s::{}[]) WITH ORDINALITY AS q(v, i)"
-        " CROSS JOIN LATERAL (SELECT {} AS payload, -(embedding <#> q.v) AS sim FROM {}"
-        " ORDER BY " + order + " LIMIT %s) AS d ORDER BY q.i, d.sim DESC"
-    ).format(sql.SQL("halfvec" if vector == "halfvec" else "vector"), sql.Identifier(payload), table)
-    rows = conn.execute(query, ([vector_text(q) for q in queries], int(k))).fetchall()
+    order = "(embedding <#> x.v) + 0" if exact else "embedding <#> x.v"  # an expression the index cannot serve
+    scan = sql.SQL("SELECT {} AS payload, -(embedding <#> x.v) AS sim FROM {} ORDER BY " + order + " LIMIT %(k)s")
+    return _batched(conn, scan.format(sql.Identifier(payload), table), queries, k=k, vector=vector)
+
+
+def _batched(
+    conn: psycopg.Connection[Any], scan: sql.Composed, queries: np.ndarray, *, k: int, vector: str
+) -> list[list[tuple[Any, float]]]:
+    """Run `scan` (payload, sim of query x.v, best first) once per query, one statement per QUERY_COMPONENTS."""
+    queries = np.asarray(queries, dtype=np.float32)
     found: list[list[tuple[Any, float]]] = [[] for _ in range(len(queries))]
-    for i, value, sim in rows:
-        found[int(i) - 1].append((value, float(sim)))
+    if len(queries) == 0:
+        return found
+    dims = int(queries.shape[1])
+    per = max(1, QUERY_COMPONENTS // dims)  # queries a statement: one vector of at most QUERY_COMPONENTS
+    query = sql.SQL(
+        "SELECT q.i, d.payload, d.sim FROM generate_series(1, %(n)s) AS q(i)"
+        " CROSS JOIN LATERAL (SELECT subvector(%(q)b::{}, (q.i - 1) * {} + 1, {}) AS v) AS x"
+        " CROSS JOIN LATERAL ({}) AS d ORDER BY q.i, d.sim DESC"
+    ).format(sql.SQL(_column_type(vector)), sql.Literal(dims), sql.Literal(dims), scan)
+    with conn.cursor(binary=True) as cur:  # binary rows: int4[] continuations without parsing text
+        for lo in range(0, len(queries), per):
+            part = queries[lo : lo + per]
+            params = {"n": len(part), "q": PackedVectors(part, vector=vector), "k": int(k)}
+            for i, value, sim in cur.execute(query, params).fetchall():
+                found[lo + int(i) - 1].append((value, float(sim)))
     return found
+
+
+def _column_type(vector: str) -> str:
+    return "halfvec" if vector == "halfvec" else "vector"
+
+
+class PackedVectors:
+    """Query vectors [B, D] as ONE pgvector vector of B x D components in its binary form (a statement slices it).
+
+    Binary, not text: formatting 16 x 64 floats as text costs the client about 0.3 ms a batch, and the server
+    parsing them; a halfvec query is rounded to float16 here, as the server's cast would.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, queries: np.ndarray, *, vector: str = "vector") -> None:
+        flat = np.asarray(queries, dtype=np.float32).reshape(-1)
+        body = flat.astype(">f2" if vector == "halfvec" else ">f4").tobytes()  # big-endian components
+        self.data = struct.pack(">HH", flat.size, 0) + body  # dims, unused: pgvector's vector_recv/halfvec_recv
+
+
+class _PackedDumper(Dumper):
+    format = Format.BINARY
+    oid = 0  # unknown: the server reads the parameter as the type of the cast around it (%b::halfvec)
+
+    def dump(self, obj: PackedVectors) -> bytes:
+        return obj.data
+
+
+psycopg.adapters.register_dumper(PackedVectors, _PackedDumper)  # connections opened later dump it
 
 
 def vector_text(vector: np.ndarray) -> str:
@@ -317,16 +377,13 @@ def search_with_live(
     One statement for the whole batch: each table's own index scan (k rows each), then the best `k` of both by
     similarity (the live part is projected like the static one: `crest.learning.live_dense`).
     """
-    if len(queries) == 0:
-        return []
-    scan = "(SELECT continuation, -(embedding <#> q.v) AS sim FROM {} ORDER BY embedding <#> q.v LIMIT %(k)s)"
-    query = sql.SQL(
-        "SELECT q.i, d.continuation, d.sim FROM unnest(%(q)s::{}[]) WITH ORDINALITY AS q(v, i)"
-        " CROSS JOIN LATERAL (SELECT continuation, sim FROM (" + scan + " UNION ALL " + scan + ") AS u"
-        " ORDER BY sim DESC LIMIT %(k)s) AS d ORDER BY q.i, d.sim DESC"
-    ).format(sql.SQL("halfvec" if vector == "halfvec" else "vector"), dense_table(store_id), dense_table(live_id))
-    rows = conn.execute(query, {"q": [vector_text(q) for q in queries], "k": int(k)}).fetchall()
-    found: list[list[tuple[list[int], float]]] = [[] for _ in range(len(queries))]
-    for i, tokens, sim in rows:
-        found[int(i) - 1].append((list(tokens), float(sim)))
-    return found
+    scan = "(SELECT continuation, -(embedding <#> x.v) AS sim FROM {} ORDER BY embedding <#> x.v LIMIT %(k)s)"
+    both = sql.SQL(
+        "SELECT continuation AS payload, sim FROM ("
+        + scan
+        + " UNION ALL "
+        + scan
+        + ") AS u ORDER BY sim DESC LIMIT %(k)s"
+    ).format(dense_table(store_id), dense_table(live_id))
+    found = _batched(conn, both, queries, k=k, vector=vector)
+    return [[(list(tokens), sim) for tokens, sim in row] for row in found]
