@@ -7,6 +7,7 @@ Importing a test module never changes torch's thread count; a module that wants 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,8 @@ def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
     marker = request.node.get_closest_marker("threads")
     count = int(marker.args[0]) if marker else 1
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: more threads only spin (conftest.py)
+        count = 1
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:

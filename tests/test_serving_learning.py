@@ -107,7 +107,7 @@ def live_next(found: Engine, context: list[int], *, wait: float = 0.0) -> list[i
     """Return the depth-1 tokens of the live tier's draft for the context ([] without one, after `wait` seconds)."""
     deadline = time.monotonic() + wait
     while True:
-        parts = found.store("code").draft_parts(context, 64)  # the store moves to a new live version within 1 s
+        parts = found.store("code").draft_parts(context, 64)  # seen within ~1 s; a lookup can miss (load)
         live = parts[1] if len(parts) > 1 else None
         if live is not None:
             return [int(t) for t, p in zip(live.tokens, live.parents, strict=True) if p == -1]
@@ -166,7 +166,7 @@ def test_a_second_server_drafts_the_first_ones_outputs_after_a_refresh(
                 "SELECT params FROM crest_stores WHERE name = 'code' AND tier = 'live' AND state = 'published'"
             ).fetchone()
         assert params is not None and params[0]["tier"] == "live"
-        assert out[6] in live_next(second, context, wait=10)  # the first server's next token, drafted by the second
+        assert out[6] in live_next(second, context, wait=60)  # the first server's next token, drafted by the second
         assert second.refresher.refresh_once() == {"code": "nothing"}  # nothing new learned since
     finally:
         first.stop()
@@ -187,7 +187,7 @@ def test_learning_survives_a_restart(tiny: Any, smollm2_tokenizer: Any, code_dsn
         before.stop()
     after = engine(tiny, smollm2_tokenizer, code_dsn, QUIET)  # a new process would open the store the same way
     try:
-        assert out[8] in live_next(after, prompt + out[:8], wait=10)
+        assert out[8] in live_next(after, prompt + out[:8], wait=60)
         again = complete(after, prompt, max_tokens=24)
         assert again.result.output_token_ids == out
         assert again.accepted_draft_tokens > first.accepted_draft_tokens  # drafted from what was learned before
@@ -207,7 +207,7 @@ def test_greedy_output_is_the_same_with_learning_on_and_off(tiny: Any, smollm2_t
         learner = on.learner("code")
         assert learner is not None and learner.flush(timeout=30)
         assert on.refresher is not None and on.refresher.refresh_once()["code"] != "failed"
-        assert wants[0][8] in live_next(on, prompts[0] + wants[0][:8], wait=10)  # the store reads the new version
+        assert wants[0][8] in live_next(on, prompts[0] + wants[0][:8], wait=60)  # the store reads the new version
         live = 0
         for prompt, want in zip(prompts, wants, strict=True):  # the second round drafts from the live tier
             outcome = complete(on, prompt, max_tokens=20)
@@ -387,7 +387,7 @@ def test_learned_rows_carry_their_requests_figures(tiny: Any, smollm2_tokenizer:
         learner = found.learner("code")
         assert learner is not None and learner.flush(timeout=30)
         assert found.refresher is not None and found.refresher.refresh_once() == {"code": "published"}
-        assert live_next(found, prompt, wait=10)  # the store follows the new live version
+        assert live_next(found, prompt, wait=60)  # the store follows the new live version
         outcomes.append(complete(found, prompt, max_tokens=24))
         assert learner.flush(timeout=30)
     finally:

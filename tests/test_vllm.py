@@ -453,7 +453,7 @@ def test_vllm_with_crest_is_exact_and_accepts_store_drafts(served: Any) -> None:
     drafted = after["draft_tokens_total"] - before.get("draft_tokens_total", 0.0)
     accepted = after["accepted_tokens_total"] - before.get("accepted_tokens_total", 0.0)
     assert drafted > 0 and accepted >= 10, (drafted, accepted)  # drafter crest: every draft is the store's
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # the proposer's learner writes in the background: slow on a loaded machine
     rows: list[Any] = []
     while time.monotonic() < deadline and len(rows) < len(PROMPTS):  # each finished request teaches the store
         with psycopg.connect(served.dsn) as conn:
