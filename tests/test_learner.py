@@ -319,3 +319,18 @@ def test_the_reader_role_may_learn(db_dsn: str) -> None:
             for role in (reader, writer):
                 conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_connection_lost_between_writes_loses_no_batch(learner: Learner, db_dsn: str) -> None:
+    learner.learn([1, 2, 3])
+    assert learner.flush(timeout=10) and learner.stats["written_rows"] == 1
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # the server ends the learner's connection (a restart)
+        ended = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        ).fetchall()
+    assert ended == [(True,)]
+    learner.learn([4, 5])
+    assert learner.flush(timeout=30)
+    assert (learner.stats["written_rows"], learner.stats["dropped_rows"]) == (2, 0)  # written on a fresh connection
+    assert learned(db_dsn) == [([1, 2, 3], 3, 0, "sdk"), ([4, 5], 2, 0, "sdk")]

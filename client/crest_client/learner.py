@@ -6,7 +6,8 @@ and never raises. A daemon thread writes what is queued every `flush_interval` s
 bytes) on its own connection, opened lazily and reopened after a failure. The queue holds at most
 `max_pending_tokens` tokens; beyond that the oldest sequences are dropped (the live tier keeps the most recent
 outputs, so the newest are the ones worth keeping). A database that is down, slow or refusing makes the thread
-drop the batch it was writing, count it and warn once per outage; the caller never waits for it. `flush()`
+drop the batch it was writing (after one more try on a fresh connection when the connection failed or timed
+out), count it and warn once per outage; the caller never waits for it. `flush()`
 waits until everything queued so far is written or dropped; `close()` flushes and stops the thread (learners
 still open when the interpreter exits are closed then, waiting at most `EXIT_TIMEOUT` seconds each). A
 sequence may carry how its request went (`stats`: the integer columns named in `STATS`, and `accepted_<part>`
@@ -272,8 +273,13 @@ class Learner:
             columns.append([d.vectors.astype("<f2").tobytes() if d is not None else None for d in dense])
         query = INSERT_DENSE_SQL if with_dense else INSERT_STATS_SQL if with_stats else INSERT_SQL
         try:
-            conn = self._connection()
-            conn.execute(query, (self.store, self.source, *columns))
+            try:
+                conn = self._connection()
+                conn.execute(query, (self.store, self.source, *columns))
+            except psycopg.OperationalError:  # a connection lost or a timeout on a loaded server: once more, afresh
+                self._disconnect()
+                conn = self._connection()
+                conn.execute(query, (self.store, self.source, *columns))
         except Exception as exc:  # down, slow, restarting or refusing: this batch is lost, serving goes on
             self._disconnect()
             with self._cond:
