@@ -167,6 +167,36 @@ def test_proposer_drafts_from_the_store_and_teaches_it(words_store: str, word_to
     proposer.close()
 
 
+def test_requests_still_held_when_steps_stop_are_learned(words_store: str, word_tokenizer_dir: Path) -> None:
+    settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store, refresh_interval=0)
+    proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings, idle_learn=0.3)
+    runner = Runner(proposer)
+    requests = _requests(word_tokenizer_dir)
+    for req_id, prompt, output in requests:
+        runner.add(req_id, prompt, output)
+    try:
+        for _ in range(2):  # then no step: vLLM calls no proposer once its batch is done (or the engine idles)
+            runner.step()
+        held = {r: list(runner.tokens[r]) for r, *_ in requests}
+        assert set(proposer._rows) == set(held) and not any(row.learned for row in proposer._rows.values())
+        rows: list[Any] = []
+        deadline = time.monotonic() + 60
+        while len(rows) < len(requests):
+            assert time.monotonic() < deadline, rows
+            assert proposer.learner is not None and proposer.learner.flush(timeout=10)
+            with psycopg.connect(words_store) as conn:
+                rows = conn.execute("SELECT tokens, new_tokens FROM crest_learned").fetchall()
+            time.sleep(0.1)
+        max_n = IngestOptions().max_n
+        taught = sorted((np.frombuffer(t, "<u4").tolist(), new) for t, new in rows)
+        want = sorted((held[r][max(0, len(p) - max_n) :], len(held[r]) - len(p)) for r, p, _ in requests)
+        assert taught == want  # what each had served when the steps stopped, once
+    finally:
+        proposer.close()
+    with psycopg.connect(words_store) as conn:  # close() does not learn them a second time
+        assert conn.execute("SELECT count(*) FROM crest_learned").fetchone() == (len(requests),)
+
+
 def test_proposer_chains_stay_within_k_and_the_room_left(words_store: str, word_tokenizer_dir: Path) -> None:
     settings = VllmSettings(store="words", drafter="crest+prompt", read_dsn=words_store, learn=False)
     proposer = CrestProposer(_config(word_tokenizer_dir, k=2, max_len=16), settings=settings)

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import FrameType
@@ -55,6 +56,7 @@ LOOKUP_NODES = 32  # tree nodes looked up and merged per row: the chain is chose
 PRIOR_COST = CostModel([1, 8, 64, 512], [0.100, 0.105, 0.150, 0.500])
 
 MAX_GAP = 5.0  # seconds between steps beyond which the gap was idleness, not a step's cost
+IDLE_LEARN = 5.0  # seconds without a step after which every request still held has finished: learn it
 
 
 @dataclass
@@ -87,7 +89,9 @@ class _Batch:
 class CrestProposer:
     """Drafts for vLLM from a crest store merged with prompt lookup: one chain per row, of adaptive length <= K."""
 
-    def __init__(self, vllm_config: Any, *, settings: VllmSettings | None = None) -> None:
+    def __init__(
+        self, vllm_config: Any, *, settings: VllmSettings | None = None, idle_learn: float = IDLE_LEARN
+    ) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -103,6 +107,16 @@ class CrestProposer:
         self._rows: dict[str, _Row] = {}
         self._last_end: float | None = None
         self._failures = 0
+        # vLLM calls no proposer after a batch's last step: its last requests are learned once steps stop
+        self._lock = threading.Lock()
+        self._last_call = time.monotonic()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if self.learner is not None and idle_learn > 0:
+            self._watcher = threading.Thread(
+                target=self._learn_when_idle, args=(idle_learn,), name="crest-vllm-idle", daemon=True
+            )
+            self._watcher.start()
         refresh = f"every {self.settings.refresh_interval:g} s" if self.refresher is not None else "elsewhere"
         log.info("crest proposer: drafter %s, store %s, K=%d, learning %s, live tier refreshed %s", self.name,
                  self.settings.store, self.k, "on" if self.learner is not None else "off", refresh)  # fmt: skip
@@ -120,18 +134,27 @@ class CrestProposer:
     ) -> list[list[int]]:
         """Return one draft chain (at most K ids) per row; any failure gives that step no drafts, never an error."""
         rows = len(sampled_token_ids)
-        try:
-            batch = _caller_batch(rows)
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
-        except Exception as exc:  # nothing from crest may reach vLLM's worker
-            self._failures += 1
-            level = logging.WARNING if self._failures == 1 else logging.DEBUG
-            log.log(level, "crest proposer failed, no drafts this step (said once): %s: %s", type(exc).__name__, exc)
-            self._last_end = time.perf_counter()
-            return [[] for _ in range(rows)]
+        with self._lock:
+            self._last_call = time.monotonic()
+            try:
+                batch = _caller_batch(rows)
+                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
+            except Exception as exc:  # nothing from crest may reach vLLM's worker
+                self._failures += 1
+                level = logging.WARNING if self._failures == 1 else logging.DEBUG
+                log.log(
+                    level, "crest proposer failed, no drafts this step (said once): %s: %s", type(exc).__name__, exc
+                )
+                self._last_end = time.perf_counter()
+                return [[] for _ in range(rows)]
+            finally:
+                self._last_call = time.monotonic()
 
     def close(self) -> None:
         """Teach the store what the requests still held had served, write it, and close the store."""
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
         for key in list(self._rows):
             self._drop(key)
         if self.learner is not None:
@@ -229,6 +252,15 @@ class CrestProposer:
         if not row.learned:
             self._learn(row, output[:end])
         return True
+
+    def _learn_when_idle(self, idle: float) -> None:
+        """Learn every request still held once no step has run for `idle` seconds (vLLM finished them)."""
+        while not self._stop.wait(min(0.5, idle / 2)):
+            with self._lock:
+                if self._rows and time.monotonic() - self._last_call >= idle:
+                    for row in self._rows.values():  # kept: a request that steps again is not learned twice
+                        if not row.learned and row.prompt_length >= 0:
+                            self._learn(row, row.tokens[row.prompt_length :])
 
     def _forget(self, present: set[str]) -> None:
         """Drop the state of requests vLLM no longer runs (finished, aborted or preempted), teaching the store."""
