@@ -86,8 +86,8 @@ def ingest(
     dense_index: Annotated[
         str,
         typer.Option(
-            help="ANN index of the dense part: ivfflat (about 100 rows a list; a query scans 2% of the lists and "
-            "at least about 2,000 rows: the cheaper batch lookup) or hnsw (m 16, ef_search 100)."
+            help="ANN index of the dense part: ivfflat (about 50 rows a list, at most 2,000 lists; a query scans 1% "
+            "of the lists and at least about 1,000 rows: the cheaper batch lookup) or hnsw (m 16, ef_search 100)."
         ),
     ] = "ivfflat",
     dense_precision: Annotated[
