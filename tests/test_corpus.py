@@ -402,3 +402,14 @@ def test_truncation_byte_counts_the_bom(tmp_path: Path) -> None:
     docs, rep = read_all(_write(tmp_path / "x.json", data))
     cut = data.rindex(b"{")
     assert docs == ["a"] and f"record 2 truncated at byte {cut}" in rep.drop_reasons[0]
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"], ids=["ls", "ps", "nel"])
+def test_small_jsonl_splits_lines_at_newlines_only(tmp_path: Path, separator: str) -> None:
+    # JSON strings may hold these raw (ensure_ascii=False writes them); str.splitlines would cut the record there
+    from crest.ingest.corpus import read_jsonl
+
+    path = tmp_path / "p.jsonl"
+    texts = [f"one{separator}two", "three"]
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [(n, v["text"]) for n, v in read_jsonl(path)] == [(1, texts[0]), (2, texts[1])]

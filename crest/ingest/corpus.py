@@ -84,7 +84,7 @@ def iter_documents(
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, value) for each non-blank line of a small JSONL file such as a prompts file."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
     except OSError as exc:
         raise CorpusError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
