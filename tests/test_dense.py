@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import psycopg
 import pytest
+import torch
 
 from crest.db import dense as dense_db
 from crest.decoding.generator import SpeculativeGenerator
@@ -28,7 +29,7 @@ from crest.errors import ConfigError, ModelError
 from crest.ingest.dense import sample_positions
 from crest.ingest.pipeline import ingest
 from tests.fix_corpus import write_jsonl
-from tests.fix_dense import DENSE_DRAFTERS, OPTIONS, PROMPTS, column_type, ingest_dense, save_tiny
+from tests.fix_dense import DENSE_DRAFTERS, OPTIONS, PROMPTS, WORDS, column_type, ingest_dense, save_tiny
 from tests.fix_proxy import Proxy
 
 pytest_plugins = ["tests.fix_dense"]
@@ -70,6 +71,7 @@ def test_ingest_publishes_a_dense_part_with_the_model_fingerprint_and_unit_vecto
         assert index is not None and "USING ivfflat" in index[0]  # the default index, recorded with the part
         assert meta.index.kind == "ivfflat" and meta.figures["index"]["lists"] == meta.index.lists >= 1
         assert meta.index.vector == vector and meta.figures["options"]["precision"] == precision  # recorded
+        assert meta.figures["options"]["device"] == "cpu" and meta.figures["device"] == "cpu"  # the default
 
 
 @pytest.mark.parametrize("vector", dense_db.VECTOR_TYPES)
@@ -351,6 +353,68 @@ def test_a_bad_dense_precision_is_a_clear_error(
     code, _, err = run(monkeypatch, capsys, *args, *option)
     assert code == 2  # ConfigError, before anything is read or built
     assert "--dense-precision must be one of half, single, not 'double'" in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--dense-device: unknown device 'tpu'"),
+        pytest.param(
+            "cuda",
+            "--dense-device: device 'cuda' asked for, but no CUDA device is available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
+    ],
+    ids=["unknown", "absent"],
+)
+def test_a_bad_dense_device_is_a_clear_error(
+    corpus: Path,
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    device: str,
+    message: str,
+) -> None:
+    from tests.fix_cli import one_error_line, run
+
+    monkeypatch.setenv("CREST_HOME", str(tmp_path))
+    args = ["ingest", str(corpus), "--store", "w", "--tokenizer", str(tiny_dir), "--dense-model", str(tiny_dir)]
+    code, _, err = run(monkeypatch, capsys, *args, "--dense-device", device)
+    assert code == 2  # ConfigError, before anything is read or built
+    assert message in one_error_line(err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+def test_a_dense_part_built_on_cuda_matches_the_cpu_build(db_dsn: str, corpus: Path, tiny_dir: Path) -> None:
+    from crest.decoding.models import load_model
+    from crest.ingest.dense import DenseOptions, _embed
+
+    tokens = np.random.default_rng(0).integers(2, len(WORDS) + 2, size=700).astype(np.int64)
+    offsets = np.array([0, 300, 700], dtype=np.int64)
+    positions = sample_positions(offsets, count=600, seed=0, window=128)
+    options = DenseOptions(str(tiny_dir), window=128, batch=3)
+    states = {}
+    for device in ("cpu", "cuda"):
+        model = load_model(str(tiny_dir), device=device).model
+        blocks = list(_embed(model, tokens, offsets, positions, options))
+        assert np.concatenate([rows for rows, _ in blocks]).tolist() == list(range(positions.shape[0]))
+        states[device] = np.concatenate([block for _, block in blocks])  # [S, H]
+    assert np.allclose(states["cuda"], states["cpu"], atol=1e-4, rtol=1e-4)  # float32 on both (no TF32)
+
+    def part(device: str) -> tuple[Any, list[tuple[str, list[int]]]]:
+        built = ingest_dense(db_dsn, corpus, tiny_dir, device=device, precision="single")
+        with psycopg.connect(db_dsn) as conn:
+            meta = dense_db.read_meta(conn, built.store_id)
+            rows = conn.execute(f"SELECT embedding::text, continuation FROM crest_dense_s{built.store_id}").fetchall()
+        return meta, rows
+
+    (cpu_meta, cpu_rows), (gpu_meta, gpu_rows) = part("cpu"), part("cuda")
+    assert gpu_meta.figures["device"] == "cuda:0" and gpu_meta.model_fingerprint == cpu_meta.model_fingerprint
+    assert [c for _, c in gpu_rows] == [c for _, c in cpu_rows]  # the same positions and continuations
+    cpu_vectors = np.array([json.loads(v) for v, _ in cpu_rows])
+    gpu_vectors = np.array([json.loads(v) for v, _ in gpu_rows])
+    assert np.allclose(np.abs(gpu_vectors), np.abs(cpu_vectors), atol=1e-3)  # a PCA axis may flip its sign
 
 
 @pytest.mark.slow  # a `crest` subprocess that loads torch and the model, 10-60 s

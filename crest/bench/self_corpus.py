@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: a GPU answers thousands of prompts a minute")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if (args.prompts is None) == (args.sharegpt is None):
@@ -134,7 +135,7 @@ def main() -> None:
         texts = sharegpt_turns(args.sharegpt, count=args.limit or 300, seed=args.seed)
     else:
         texts = load_prompts(args.prompts)[args.skip :][: args.limit]
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, device=args.device)
     figures = write_self_corpus(
         loaded,
         texts,

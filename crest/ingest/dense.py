@@ -33,7 +33,8 @@ from crest_client.embedded import crest_home
 from crest.config import DEFAULT_DENSE_PRECISION, fault_pause
 from crest.db import dense as dense_db
 from crest.decoding.hidden import final_hidden, model_fingerprint
-from crest.errors import ConfigError, TokenizerError
+from crest.decoding.models import check_device
+from crest.errors import ConfigError, ModelError, TokenizerError
 from crest.ingest.loader import Reporter, SilentReporter
 
 _CHUNK_ROWS = 1 << 15  # states projected and copied at once
@@ -54,6 +55,7 @@ class DenseOptions:
     engine: str = "inprocess"  # the ingest engine it is built in: the in-process one only
     index: str = dense_db.INDEX_KINDS[0]  # the ANN index kind (crest.db.dense.INDEX_KINDS)
     precision: str = DEFAULT_DENSE_PRECISION  # half (halfvec, float16) or single (vector, float32)
+    device: str = "cpu"  # where the model runs: cpu or cuda[:N] (float32 either way: the fingerprint rule)
 
     def validate(self) -> DenseOptions:
         """Return self, or raise ConfigError naming the first bad value."""
@@ -61,6 +63,10 @@ class DenseOptions:
             raise ConfigError(f"--dense-model builds with --engine inprocess only, not {self.engine}")
         if self.index not in dense_db.INDEX_KINDS:
             raise ConfigError(f"--dense-index must be one of {', '.join(dense_db.INDEX_KINDS)}, not {self.index!r}")
+        try:
+            check_device(self.device)
+        except ModelError as exc:
+            raise ConfigError(f"--dense-device: {exc}") from None
         if self.precision not in dense_db.PRECISIONS:
             raise ConfigError(
                 f"--dense-precision must be one of {', '.join(dense_db.PRECISIONS)}, not {self.precision!r}"
@@ -126,7 +132,7 @@ def build_dense(
     options.validate()
     rep = reporter or SilentReporter()
     started = time.perf_counter()
-    loaded = load_model(options.model)
+    loaded = load_model(options.model, device=options.device)
     model = loaded.model
     from crest.decoding.tokenizer import load_tokenizer
 
