@@ -30,7 +30,7 @@ from crest_client.keyfilter import KeyFilter
 
 from crest import db
 from crest.drafters.registry import close_drafter, open_drafter
-from tests.fix_store import ROWS, VOCAB, chain_tree, ngram_key, publish
+from tests.fix_store import ROWS, VOCAB, chain_tree, draft_key, ngram_key, publish
 
 
 @pytest.fixture()
@@ -387,6 +387,27 @@ def test_connect_reads_large_store_data_beyond_the_lookup_timeout(db_dsn: str) -
     # a 1 ms lookup timeout must not apply to reading the version's data once
     with Store.connect(db_dsn, "demo", timeout=0.001) as store:
         assert store.info.key_filter is not None and len(store.info.key_filter) == len(big)
+
+
+@pytest.mark.parametrize("pool_size", [1, 2], ids=["one", "two"])
+def test_a_lookup_past_its_timeout_cancels_its_statement_and_keeps_the_connection(db_dsn: str, pool_size: int) -> None:
+    sid = publish(db_dsn, "demo", ROWS)
+    with Store.connect(db_dsn, "demo", timeout=0.3, pool_size=pool_size, cache_size=0) as store:
+        assert draft_key(store.draft([1, 2, 3, 4, 5]))  # a kept connection with the statement prepared
+        for kept in store._conns._idle:  # only the client's clock ends the wait (as when the server's answer is late)
+            kept.execute("SET statement_timeout = 0")
+        opened = store._conns.pool.get_stats()["connections_num"]
+        with psycopg.connect(db_dsn) as locker:  # holds the lock until its transaction ends
+            locker.execute(f"LOCK TABLE crest_ngrams_s{sid} IN ACCESS EXCLUSIVE MODE")
+            assert store.draft([1, 2, 3, 4, 5]) is None  # blocked past the timeout: no draft, no error raised
+            assert store.stats["timeouts"] == 1 and store.stats["errors"] == 0
+        assert draft_key(store.draft([1, 2, 3, 4, 5]))  # the lock gone: the same connection drafts again
+        assert store._conns.pool.get_stats()["connections_num"] == opened  # cancelled, not closed and reopened
+        with psycopg.connect(db_dsn, autocommit=True) as conn:  # the cancelled statement left no backend busy
+            busy = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'crest-client' AND state = 'active'"
+            ).fetchone()
+        assert busy == (0,)
 
 
 # --- a database that is down when a store is opened -----------------------------------------------------------

@@ -5,7 +5,8 @@ with its reason; `statement_timeout` set to the lookup timeout on every connecti
 connections: kept ones first, another from the pool while fewer than its size are out (a pool check-out costs
 10-25 us), a failed one handed back so the pool replaces it. `run_prepared` runs a prepared statement on libpq
 directly (psycopg's cursor layer costs ~40 us) and waits for its result until the lookup timeout on the client's
-clock, closing a connection whose server stopped answering. A private module with public names: `Store` is
+clock; past it the statement is cancelled and the connection kept (a server that is only slow), or closed when the
+server does not answer the cancel either (one that stopped answering). A private module with public names: `Store` is
 built on it.
 """
 
@@ -64,7 +65,7 @@ def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_ti
 
 
 class LookupTimeout(psycopg.OperationalError):
-    """The server did not answer a lookup within the handle's timeout (the connection was closed)."""
+    """The server did not answer a lookup within the handle's timeout (statement cancelled, or connection closed)."""
 
 
 class Connections:
@@ -167,8 +168,11 @@ class Connections:
                 fd = pgconn.socket
                 ready = select.select([fd], [fd] if sending else [], [], max(0.0, left)) if left > 0 else ([], [])
                 if not ready[0] and not ready[1]:
-                    conn.close()
-                    raise LookupTimeout(f"no answer within {self.timeout:g} s; connection closed")
+                    kept = self.cancel(conn)
+                    raise LookupTimeout(
+                        f"no answer within {self.timeout:g} s; "
+                        + ("statement cancelled" if kept else "connection closed")
+                    )
                 if ready[0]:
                     pgconn.consume_input()
             res = pgconn.get_result()
@@ -176,6 +180,34 @@ class Connections:
                 return result
             if result is None or res.status != pq.ExecStatus.TUPLES_OK:
                 result = res
+
+    def cancel(self, conn: psycopg.Connection[Any]) -> bool:
+        """Cancel the statement still running on `conn` and drain it; close `conn` when that fails. Return if kept.
+
+        A slow server (a lock, a loaded machine) answers the cancel at once and the connection, with its prepared
+        statements, serves the next lookup: no reconnect when lookups run late. A server that stopped answering
+        does not answer the cancel either: after another timeout's wait the connection is closed (the pool
+        replaces it). libpq before 17 has no cancel with a timeout, so there the connection is closed at once.
+        """
+        try:
+            if pq.version() < 170000:
+                raise psycopg.OperationalError("libpq < 17: no bounded cancel")
+            conn.cancel_safe(timeout=self.timeout)
+            pgconn = conn.pgconn
+            deadline = time.monotonic() + self.timeout
+            while pgconn.flush() == 0 and pgconn.is_busy():
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([pgconn.socket], [], [], left)[0]:
+                    raise psycopg.OperationalError("no answer to the cancel")
+                pgconn.consume_input()
+            while pgconn.get_result() is not None:
+                pass  # the statement's error (cancelled), or its rows if they came first
+            if pgconn.is_busy() or pgconn.transaction_status != pq.TransactionStatus.IDLE:
+                raise psycopg.OperationalError("connection not idle after the cancel")
+            return True
+        except (psycopg.Error, OSError):
+            conn.close()
+            return False
 
     def close(self) -> None:
         """Hand the kept connections back and close the pool."""
