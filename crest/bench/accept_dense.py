@@ -69,6 +69,7 @@ def build_dense_stores(
             continuation=opts.dense_continuation,
             seed=opts.seed,
             precision=opts.dense_precision,
+            device=opts.device,  # the run's model device: a GPU run embeds there too
         )
         name = f"acc_{setting}_dense{tag}_{opts.dense_precision}_p{count}"
         built = build_store(
