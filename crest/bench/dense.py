@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from crest.bench.replay import reference_hidden, replay
 from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import wants_hidden
 from crest.drafters.registry import close_drafter, open_drafter
+from crest.errors import errors_as_exit
 
 DRAFTERS = ("crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt")
 
@@ -134,29 +134,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.indexes:
         from crest.bench.dense_lookup import lookup_figures
-        from crest.errors import CrestClientError, exit_code
 
-        try:
+        with errors_as_exit():  # bad input or a missing store: one line, crest's exit code
             found = lookup_figures(
                 args.store, dsn=args.dsn, variants=args.indexes.split(","), queries=args.queries, model=args.model,
                 prompts=args.prompts, limit=args.limit, batch=args.batch, rounds=args.rounds,
             )  # fmt: skip
-        except CrestClientError as exc:  # bad input or a missing store: one line, crest's exit code
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(exit_code(exc))
         print(json.dumps(found, indent=2))
         return
-    figures = compare(
-        args.model,
-        store=args.store,
-        dsn=args.dsn,
-        prompts=args.prompts,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        max_nodes=args.max_nodes,
-        drafters=args.drafters.split(","),
-        batch=args.batch,
-    )
+    with errors_as_exit():
+        figures = compare(
+            args.model,
+            store=args.store,
+            dsn=args.dsn,
+            prompts=args.prompts,
+            limit=args.limit,
+            max_new_tokens=args.max_new_tokens,
+            max_nodes=args.max_nodes,
+            drafters=args.drafters.split(","),
+            batch=args.batch,
+        )
     print(json.dumps(figures, indent=2))
 
 

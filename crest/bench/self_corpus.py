@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from crest.errors import ConfigError
+from crest.errors import ConfigError, errors_as_exit
 
 
 def respond(
@@ -131,20 +131,21 @@ def main() -> None:
     args = parser.parse_args()
     if (args.prompts is None) == (args.sharegpt is None):
         parser.error("give --prompts or --sharegpt")
-    if args.sharegpt:
-        texts = sharegpt_turns(args.sharegpt, count=args.limit or 300, seed=args.seed)
-    else:
-        texts = load_prompts(args.prompts)[args.skip :][: args.limit]
-    loaded = load_model(args.model, device=args.device)
-    figures = write_self_corpus(
-        loaded,
-        texts,
-        Path(args.out),
-        chat=args.chat,
-        max_new_tokens=args.max_new_tokens,
-        batch=args.batch,
-        note=lambda line: print(line, flush=True),
-    )
+    with errors_as_exit():  # bad input: one line and crest's exit code, no traceback
+        if args.sharegpt:
+            texts = sharegpt_turns(args.sharegpt, count=args.limit or 300, seed=args.seed)
+        else:
+            texts = load_prompts(args.prompts)[args.skip :][: args.limit]
+        loaded = load_model(args.model, device=args.device)
+        figures = write_self_corpus(
+            loaded,
+            texts,
+            Path(args.out),
+            chat=args.chat,
+            max_new_tokens=args.max_new_tokens,
+            batch=args.batch,
+            note=lambda line: print(line, flush=True),
+        )
     print(json.dumps(figures), flush=True)
 
 
