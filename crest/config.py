@@ -167,7 +167,7 @@ class VllmSettings:
     """How crest's vLLM proposer drafts: vLLM hands a proposer no options, so they come from `CREST_*` variables."""
 
     store: str | None = None  # CREST_STORE: the store drafted from and taught (None: prompt lookup only)
-    drafter: str = "crest+prompt"  # CREST_DRAFTER: crest, prompt or crest+prompt
+    drafter: str = "crest+prompt"  # CREST_DRAFTER: crest, prompt, crest+prompt or a dense one (dense, crest+dense...)
     learn: bool = True  # CREST_LEARN: write finished requests to the store's learned log
     dsn: str | None = None  # CREST_DATABASE_URL: the writers' database (None: the SDK's default, under CREST_HOME)
     read_dsn: str | None = None  # CREST_READ_DATABASE_URL: where lookups read (None: the writers')

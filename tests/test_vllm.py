@@ -30,12 +30,11 @@ from crest.integrations.chain import best_chain
 from crest.integrations.vllm import CrestProposer
 from tests.fix_proxy import Proxy
 from tests.fix_require import require
+from tests.fix_vllm import K, Runner, vllm_config
 
 pytest_plugins = ["tests.fix_corpus"]
 
-EOS = 1  # the word tokenizer's [EOS]
 TEXT = "the cat sat on the mat a dog sat on a mat the dog sat on the cat a mat"
-K = 4
 
 
 def _tree(tokens: list[int], parents: list[int], weights: list[int]) -> Draft:
@@ -51,76 +50,6 @@ def test_best_chain_takes_the_path_with_most_expected_tokens() -> None:
     np.testing.assert_allclose(path_probabilities(chain), probs[[1, 4, 5]])  # the root total is kept
     assert best_chain(tree, depth=1).tokens.tolist() == [10]  # one node: the likeliest first token
     assert len(best_chain(tree, depth=0)) == 0 and len(best_chain(None, depth=4)) == 0
-
-
-class Runner:
-    """A stand-in for vLLM's model runner: requests that follow known token sequences, verified greedily."""
-
-    def __init__(self, proposer: CrestProposer, *, width: int = 64) -> None:
-        self.proposer, self.width = proposer, width
-        self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, np.int32))
-        self.requests: dict[str, Any] = {}
-        self.targets: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.drafts: dict[str, list[int]] = {}
-        self.steps = self.drafted = self.accepted = 0
-        self.seen: list[tuple[int, int]] = []  # (row length, draft length) of every draft asked for
-
-    def add(self, req_id: str, prompt: list[int], output: list[int]) -> None:
-        """Queue a request whose greedy output is `output` (its first step reads the prompt)."""
-        params = SimpleNamespace(max_tokens=len(output), stop_token_ids=[], all_stop_token_ids={EOS},
-                                 ignore_eos=False, min_tokens=0)  # fmt: skip
-        self.requests[req_id] = SimpleNamespace(sampling_params=params)
-        self.targets[req_id], self.tokens[req_id] = prompt + output, list(prompt)
-
-    def step(self) -> list[list[int]]:
-        """Verify every row's draft, drop finished rows (as vLLM's scheduler does) and ask for the next drafts."""
-        sampled: list[list[int]] = []
-        for req_id in list(self.tokens):
-            have, target, draft = self.tokens[req_id], self.targets[req_id], self.drafts.get(req_id, [])
-            right = 0
-            while right < len(draft) and len(have) + right < len(target) and draft[right] == target[len(have) + right]:
-                right += 1
-            new = target[len(have) : len(have) + right + 1]
-            self.drafted, self.accepted = self.drafted + len(draft), self.accepted + right
-            have.extend(new)
-            sampled.append(new)
-        self.steps += 1
-        ids = list(self.tokens)
-        self.input_batch.req_ids = ids
-        self.input_batch.num_prompt_tokens = np.array(
-            [len(self.targets[r]) - self.requests[r].sampling_params.max_tokens for r in ids], np.int32
-        )
-        lengths = np.array([len(self.tokens[r]) for r in ids], np.int32)
-        token_ids = np.zeros((len(ids), self.width), np.int32)
-        for i, r in enumerate(ids):
-            token_ids[i, : lengths[i]] = self.tokens[r]
-        scheduler_output = SimpleNamespace(total_num_scheduled_tokens=int(lengths.sum()))
-        drafts = self.propose_draft_token_ids(scheduler_output, sampled, lengths, token_ids)
-        self.drafts = dict(zip(ids, drafts, strict=True))
-        self.seen += [(int(n), len(d)) for n, d in zip(lengths, drafts, strict=True)]
-        for r in ids:  # a finished request leaves the batch before the next step, as in vLLM
-            if len(self.tokens[r]) >= len(self.targets[r]):
-                del self.tokens[r]
-        return drafts
-
-    def propose_draft_token_ids(
-        self, scheduler_output: Any, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray
-    ) -> list[list[int]]:
-        """Call the proposer as vLLM's runner does (its frame holds the batch)."""
-        return self.proposer.propose(sampled, lengths, token_ids, slot_mappings=None)
-
-    def run(self, *, limit: int = 200) -> None:
-        """Step until every request finished (and once more, so the proposer sees them gone)."""
-        while self.tokens and self.steps < limit:
-            self.step()
-        self.step()
-
-
-def _config(tokenizer: Path, *, k: int = K, max_len: int = 64) -> Any:
-    model = SimpleNamespace(max_model_len=max_len, tokenizer=str(tokenizer), model=str(tokenizer),
-                            get_vocab_size=lambda: 9)  # fmt: skip
-    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=model)
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -146,7 +75,7 @@ def _requests(word_tokenizer_dir: Path) -> list[tuple[str, list[int], list[int]]
 
 def test_proposer_drafts_from_the_store_and_teaches_it(words_store: str, word_tokenizer_dir: Path) -> None:
     settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store)
-    proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings)
     runner = Runner(proposer)
     requests = _requests(word_tokenizer_dir)
     for req_id, prompt, output in requests:
@@ -169,7 +98,7 @@ def test_proposer_drafts_from_the_store_and_teaches_it(words_store: str, word_to
 
 def test_requests_still_held_when_steps_stop_are_learned(words_store: str, word_tokenizer_dir: Path) -> None:
     settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store, refresh_interval=0)
-    proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings, idle_learn=0.3)
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings, idle_learn=0.3)
     runner = Runner(proposer)
     requests = _requests(word_tokenizer_dir)
     for req_id, prompt, output in requests:
@@ -199,7 +128,7 @@ def test_requests_still_held_when_steps_stop_are_learned(words_store: str, word_
 
 def test_proposer_chains_stay_within_k_and_the_room_left(words_store: str, word_tokenizer_dir: Path) -> None:
     settings = VllmSettings(store="words", drafter="crest+prompt", read_dsn=words_store, learn=False)
-    proposer = CrestProposer(_config(word_tokenizer_dir, k=2, max_len=16), settings=settings)
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir, k=2, max_len=16), settings=settings)
     runner = Runner(proposer, width=16)
     prompt = _requests(word_tokenizer_dir)[0][1]
     runner.add("a", prompt, _requests(word_tokenizer_dir)[0][2])
@@ -222,7 +151,7 @@ def test_proposer_serves_on_while_the_database_is_down(
     proxy.up()
     try:
         settings = VllmSettings(store="words", drafter="crest+prompt", dsn=dsn, read_dsn=dsn)
-        proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+        proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings)
         runner = Runner(proposer)
         (req_id, prompt, output), second = _requests(word_tokenizer_dir)
         runner.add(req_id, prompt, output)
@@ -240,7 +169,7 @@ def test_proposer_serves_on_while_the_database_is_down(
         proxy.down()
     # a database down from the start: the store is pending, prompt lookup still drafts
     settings = VllmSettings(store="words", drafter="crest+prompt", dsn=dsn, read_dsn=dsn)
-    proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings)
     runner = Runner(proposer)
     runner.add(req_id, prompt + prompt, output)
     runner.run()
@@ -249,14 +178,14 @@ def test_proposer_serves_on_while_the_database_is_down(
 
 
 def test_proposer_never_raises_into_vllm(word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    proposer = CrestProposer(_config(word_tokenizer_dir), settings=VllmSettings(drafter="prompt", learn=False))
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=VllmSettings(drafter="prompt", learn=False))
     with caplog.at_level(logging.WARNING):
         drafts = proposer.propose([[3], [4]], np.array([5, 9]), np.zeros((1, 3), np.int32))  # rows do not match
     assert drafts == [[], []] and "crest proposer failed" in caplog.text
 
 
 def test_proposer_settings(words_store: str, word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    config = _config(word_tokenizer_dir)
+    config = vllm_config(word_tokenizer_dir)
     with pytest.raises(ConfigError, match="unknown drafter"):
         CrestProposer(config, settings=VllmSettings(drafter="rest"))  # a REST index lives in one process
     with pytest.raises(ConfigError, match="set CREST_STORE"):
@@ -290,7 +219,7 @@ def test_a_second_replica_drafts_what_the_first_served_once_its_refresher_ran(
     prompt, output = ids[:3], ids[3:18]
 
     def serve(settings: VllmSettings, *names: str) -> tuple[CrestProposer, Runner]:
-        proposer = CrestProposer(_config(word_tokenizer_dir), settings=settings)
+        proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings)
         runner = Runner(proposer)
         for name in names:
             runner.add(name, prompt, output)
@@ -502,3 +431,37 @@ def test_vllm_serves_on_when_the_database_goes_down(served: Any) -> None:
         assert served.server.proc.poll() is None and "Traceback" not in served.server.tail(400)
     finally:
         served.proxy.up()
+
+
+@pytest.fixture(scope="module")
+def served_dense(served: Any, smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A vLLM serving with CrestProposer (drafter dense) on a store whose dense part holds some of vLLM's texts."""
+    from crest.ingest.dense import DenseOptions
+
+    python = _vllm_python()
+    assert python is not None  # `served` skipped otherwise
+    root = tmp_path_factory.mktemp("vllm-dense")
+    corpus = root / "taught.jsonl"
+    records = [json.dumps({"text": p + t}) for p, t in list(zip(PROMPTS, served.baseline, strict=True))[:TAUGHT]]
+    corpus.write_text("\n".join(records * 5) + "\n", encoding="utf-8")
+    dense = DenseOptions(str(smollm2_gguf), positions=10_000)
+    ingest([str(corpus)], store="taught_dense", tokenizer=str(smollm2_gguf), dsn=served.dsn, dense=dense)
+    env = {"CREST_STORE": "taught_dense", "CREST_DRAFTER": "dense", "CREST_LEARN": "0"}
+    env |= {"CREST_DATABASE_URL": served.dsn, "CREST_READ_DATABASE_URL": served.dsn}
+    spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": K}
+    server = VllmServer(python, Path(served.server.model), root / "dense.log", spec=spec, env=env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_vllm_with_the_dense_drafter_is_exact_and_accepts_its_drafts(served: Any, served_dense: Any) -> None:
+    texts = served_dense.complete(PROMPTS)
+    assert texts == served.baseline  # greedy: token for token what vLLM gives without speculation
+    counters = served_dense.counters()
+    # drafter dense: every draft came from the neighbours of vLLM's own hidden states, read from its runner
+    assert counters.get("draft_tokens_total", 0) > 0 and counters.get("accepted_tokens_total", 0) >= 10, counters
+    assert "Traceback" not in served_dense.tail(400)

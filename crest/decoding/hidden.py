@@ -101,8 +101,19 @@ def model_fingerprint(model: Any) -> str:
     config = model.config
     shape = [getattr(config, key, None) for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")]
     digest = hashlib.sha256(repr(shape).encode())
+    vocab = getattr(config, "vocab_size", None)
     with torch.no_grad():
-        for weights in (model.get_output_embeddings().weight, model.get_input_embeddings().weight):
+        for weights in _embedding_weights(model):
+            weights = weights[:vocab] if vocab else weights  # [V, H]: a head padded past the vocabulary (vLLM's)
             sample = weights[:: max(1, weights.shape[0] // 64)][:64].float()  # [64, H]: a strided sample of rows
             digest.update(torch.round(sample * 64).to(torch.int32).cpu().numpy().tobytes())  # tolerant of dtype
     return digest.hexdigest()[:16]
+
+
+def _embedding_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the LM head's and the input embedding's weights of a Hugging Face model or a vLLM one."""
+    head = getattr(model, "lm_head", None)
+    inner = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and inner is not None and hasattr(head, "weight") and hasattr(inner, "weight"):
+        return head.weight, inner.weight  # both kinds name them so (vLLM's get_input_embeddings wants token ids)
+    return model.get_output_embeddings().weight, model.get_input_embeddings().weight

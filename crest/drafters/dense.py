@@ -125,9 +125,9 @@ def _hybrid(parts: dict[str, Any], *, prompt: bool) -> Drafter:
     return HiddenMerged(merged, PromptDrafter()) if prompt else merged
 
 
-# where the target's hidden states are handed over: a verify forward (generate, serve, bench generate) or the
-# replay's plain forward (bench accept); not vLLM
-HIDDEN_PLACES = frozenset({"generate", "serve", "bench"})
+# where the target's hidden states are handed over: a verify forward (generate, serve, bench generate), the
+# replay's plain forward (bench accept), or the logits rows of vLLM's step (read from its model runner)
+HIDDEN_PLACES = frozenset({"generate", "serve", "bench", "vllm"})
 
 register(
     Kind(

@@ -9,9 +9,13 @@ ONE store opened for the worker), asks the store once per step for every row (`p
 best path of its merged tree (`best_chain`), and lets one `DraftPolicy` size the batch's chains from what vLLM's
 steps cost and how much of the last chains was accepted (the row grew by accepted + 1 tokens). Finished requests
 teach the store (`Learner`), so the live tier grows from vLLM's traffic, shared by every replica on the database.
+The dense drafters (`dense`, `crest+dense`, `crest+dense+prompt`) also open the store's dense part: each row's
+query is the hidden state of the logits row that gave its last token, which vLLM's runner computed for the step
+(`crest.integrations._vllm_runner`: no extra forward), and all rows' states go to the dense part in one statement
+(`prefetch_dense`). `load_model` checks the served model is the one the dense part was built with.
 
 vLLM's call names no requests: their ids, prompt lengths and sampling limits are read from the model runner that
-calls `propose` (`_caller_batch`); when that is not found, rows are told apart by their position and first
+calls `propose` (`caller_batch`); when that is not found, rows are told apart by their position and first
 tokens, and nothing is learned. Settings come from `CREST_*` variables (`crest.config.vllm_settings`). Faults
 never reach vLLM: a database that is down, slow or lacks the store costs drafts only, and an error inside a step
 is logged once and gives that step no drafts.
@@ -22,11 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -34,12 +36,16 @@ from crest_client.draft import Draft, empty_draft
 from crest_client.learner import Learner
 
 from crest.config import VllmSettings, vllm_settings
+from crest.decoding.hidden import feed_hidden
 from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
 from crest.decoding.sizing import CostModel
+from crest.drafters.dense_index import open_dense
+from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.registry import check_drafter, kind_of, make_drafter
 from crest.drafters.store import open_store
 from crest.errors import ConfigError
+from crest.integrations._vllm_runner import RunnerBatch, caller_batch, stop_at, tokenizer_fingerprint, vocab_size
 from crest.integrations.chain import best_chain
 from crest.learning.refresher import Refresher
 from crest.learning.requests import served_tokens, store_max_n, tally_parts
@@ -57,6 +63,7 @@ PRIOR_COST = CostModel([1, 8, 64, 512], [0.100, 0.105, 0.150, 0.500])
 
 MAX_GAP = 5.0  # seconds between steps beyond which the gap was idleness, not a step's cost
 IDLE_LEARN = 5.0  # seconds without a step after which every request still held has finished: learn it
+WITHOUT_DENSE = {"dense": "none", "crest+dense": "crest", "crest+dense+prompt": "crest+prompt"}
 
 
 @dataclass
@@ -65,6 +72,7 @@ class _Row:
 
     drafter: Any
     lease: StoreLease | None
+    dense: DenseLease | None  # the row's view of the dense part (None: the drafter has none)
     prompt_length: int  # -1: unknown (no request ids found): nothing learned
     tokens: list[int]
     chain: Draft = field(default_factory=empty_draft)  # the chain handed out for a context of `chain_at` tokens
@@ -74,16 +82,6 @@ class _Row:
     accepted: int = 0
     parts: dict[str, int] = field(default_factory=dict)
     learned: bool = False
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """What the calling model runner says about the batch: request ids, prompt lengths, requests, tokens run."""
-
-    ids: list[str]
-    prompt_lengths: list[int]
-    requests: Any  # request id -> vLLM's CachedRequestState (its sampling_params)
-    scheduled: int | None  # tokens the step that just ran scheduled (None: unknown)
 
 
 class CrestProposer:
@@ -97,8 +95,10 @@ class CrestProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = settings or vllm_settings()
         self.store: Any = None
+        self.dense: Any = None  # the store's dense part (DenseIndex) when the drafter is a dense one
+        self._model_checked = False  # dense drafts only once load_model found the served model is the part's
         self.name = self._open(vllm_config)
-        vocab = _vocab_size(vllm_config)
+        vocab = vocab_size(vllm_config)
         # vLLM packs the rows' tokens into one forward: a step costs the sum of its rows' tokens, not padded rows
         self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab, packed=True)
         self.learner = self._learner()
@@ -121,8 +121,16 @@ class CrestProposer:
         log.info("crest proposer: drafter %s, store %s, K=%d, learning %s, live tier refreshed %s", self.name,
                  self.settings.store, self.k, "on" if self.learner is not None else "off", refresh)  # fmt: skip
 
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        """Load nothing: crest drafts from its store (vLLM's CPU runner calls this with the target model)."""
+    def load_model(self, model: Any = None, *args: Any, **kwargs: Any) -> None:
+        """Load nothing (vLLM's runners call this with the target model); check a dense part was built with it.
+
+        Another model's dense part is a ModelError: vLLM does not start, as `crest serve` does not.
+        """
+        if self.dense is not None and model is not None:
+            from crest.decoding.hidden import model_fingerprint
+
+            self.dense.check_model(model_fingerprint(model))
+            self._model_checked = True
 
     def propose(
         self,
@@ -137,7 +145,7 @@ class CrestProposer:
         with self._lock:
             self._last_call = time.monotonic()
             try:
-                batch = _caller_batch(rows)
+                batch = caller_batch(rows, sampled_token_ids if self.dense is not None else None)
                 return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
             except Exception as exc:  # nothing from crest may reach vLLM's worker
                 self._failures += 1
@@ -163,9 +171,11 @@ class CrestProposer:
             self.refresher.stop()
         if self.store is not None and hasattr(self.store, "close"):
             self.store.close()
+        if self.dense is not None:
+            self.dense.close()
 
     def _propose(
-        self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: _Batch | None
+        self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: RunnerBatch | None
     ) -> list[list[int]]:
         start = time.perf_counter()
         rows = len(sampled)
@@ -199,6 +209,7 @@ class CrestProposer:
                 live.append((i, row, room))
         if verified:
             self.policy.observe(accepted=int(accepted), predicted=predicted)
+        self._feed_dense(live, batch)
         self._observe_cost(start, rows, batch)
         self._forget(set(keys))
         drafts: list[list[int]] = [[] for _ in range(rows)]
@@ -214,6 +225,20 @@ class CrestProposer:
         self._last_end = time.perf_counter()
         return drafts
 
+    def _feed_dense(self, live: list[tuple[int, _Row, int]], batch: RunnerBatch | None) -> None:
+        """Hand each dense row the state that predicted its last token and search them all in one statement."""
+        if self.dense is None:
+            return
+        states = batch.hidden if batch is not None and self._model_checked else None
+        fed: list[tuple[DenseLease, np.ndarray]] = []
+        for i, row, _ in live:
+            state = states[i] if states is not None else None
+            feed_hidden(row.drafter, len(row.tokens), state)  # None: no dense draft this step
+            if state is not None and row.dense is not None:
+                fed.append((row.dense, state))
+        if fed:
+            prefetch_dense([lease for lease, _ in fed], [state for _, state in fed])
+
     def _row(self, key: str, tokens: np.ndarray, prompt_length: int) -> _Row:
         """Return the request's state, made on its first step (or afresh when the row holds another request)."""
         row = self._rows.get(key)
@@ -222,9 +247,11 @@ class CrestProposer:
             self._drop(key)  # the same key, another request (keys by position when no ids are found)
             row = None
         if row is None:
-            lease = StoreLease(self.store) if self.store is not None and "store" in kind_of(self.name).needs else None
-            drafter = make_drafter(self.name, store=lease)
-            row = _Row(drafter, lease, int(prompt_length), tokens.tolist())
+            needs = kind_of(self.name).needs
+            lease = StoreLease(self.store) if self.store is not None and "store" in needs else None
+            dense = DenseLease(self.dense) if self.dense is not None and "dense_index" in needs else None
+            drafter = make_drafter(self.name, store=lease, dense_index=dense)
+            row = _Row(drafter, lease, dense, int(prompt_length), tokens.tolist())
             self._rows[key] = row
         return row
 
@@ -246,7 +273,7 @@ class CrestProposer:
         if params is None or row.prompt_length < 0:
             return False
         output = row.tokens[row.prompt_length :]
-        end = _stop_at(output, params)
+        end = stop_at(output, params)
         if end is None:
             return False
         if not row.learned:
@@ -282,7 +309,7 @@ class CrestProposer:
         stats |= {"accepted_tokens": row.accepted, **{f"accepted_{k}": v for k, v in row.parts.items()}}
         self.learner.learn(ids, prompt_tokens=tail, stats=stats)
 
-    def _observe_cost(self, start: float, rows: int, batch: _Batch | None) -> None:
+    def _observe_cost(self, start: float, rows: int, batch: RunnerBatch | None) -> None:
         """Tell the policy what the step that just ran cost: the time since the last call returned."""
         if self._last_end is None or batch is None or batch.scheduled is None:
             return
@@ -291,9 +318,20 @@ class CrestProposer:
             self.policy.observe_cost(batch.scheduled, seconds)
 
     def _open(self, vllm_config: Any) -> str:
-        """Open the store and return the drafter name to use; a store that cannot be used leaves its part out."""
+        """Open the store (and its dense part) and return the drafter name to use; a part that cannot be used is
+        left out."""
         name, store = self.settings.drafter, self.settings.store
         check_drafter(name, where="vllm", store=store or "unset")  # a bad name fails vLLM's start, clearly
+        if "dense_index" in kind_of(name).needs:
+            if store is None:
+                raise ConfigError(f"CREST_DRAFTER={name} drafts from a store's dense part: set CREST_STORE")
+            try:
+                fingerprint = tokenizer_fingerprint(vllm_config)
+                self.dense = open_dense(store, dsn=self.settings.read_dsn, fingerprint=fingerprint)
+            except Exception as exc:  # no dense part, or another tokenizer's: draft without it
+                name = WITHOUT_DENSE[name]
+                log.warning("store %r's dense part cannot be used (%s: %s): drafting with %s", store,
+                            type(exc).__name__, exc, name)  # fmt: skip
         if "store" not in kind_of(name).needs:
             return name
         if store is None:
@@ -302,7 +340,7 @@ class CrestProposer:
             log.warning("CREST_STORE is not set: drafting with prompt lookup only")
             return "prompt"
         try:
-            fingerprint = _fingerprint(vllm_config)
+            fingerprint = tokenizer_fingerprint(vllm_config)
             self.store = open_store(store, dsn=self.settings.read_dsn, fingerprint=fingerprint)
         except Exception as exc:  # a missing store or another tokenizer's: vLLM serves on without it
             rest = "prompt" if name == "crest+prompt" else "none"
@@ -331,62 +369,3 @@ class CrestProposer:
         )
         refresher.start()
         return refresher
-
-
-def _stop_at(output: list[int], params: Any) -> int | None:
-    """Return how many output tokens the request keeps when it has finished (stop token, max_tokens), else None."""
-    stops = set(getattr(params, "stop_token_ids", None) or ())
-    if not getattr(params, "ignore_eos", False):
-        stops |= set(getattr(params, "all_stop_token_ids", None) or getattr(params, "_all_stop_token_ids", None) or ())
-    first = int(getattr(params, "min_tokens", 0) or 0)
-    for j in range(first, len(output)):
-        if output[j] in stops:
-            return j + 1
-    wanted = getattr(params, "max_tokens", None)
-    if wanted is not None and len(output) >= int(wanted):
-        return int(wanted)
-    return None
-
-
-def _caller_batch(rows: int) -> _Batch | None:
-    """Return the calling model runner's view of the batch (request ids...), or None when it is not found.
-
-    vLLM's `propose` call passes no request ids; its caller, the model runner's `propose_draft_token_ids`, holds
-    them (`self.input_batch`) with the step's `scheduler_output`.
-    """
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        runner = frame.f_locals.get("self")
-        batch = getattr(runner, "input_batch", None)
-        if batch is not None and hasattr(batch, "req_ids"):
-            ids = [str(r) for r in list(batch.req_ids)[:rows]]
-            if len(ids) != rows or any(r == "None" for r in ids):
-                return None
-            prompts = np.asarray(batch.num_prompt_tokens[:rows]).tolist()
-            output = frame.f_locals.get("scheduler_output")
-            scheduled = getattr(output, "total_num_scheduled_tokens", None)
-            requests = getattr(runner, "requests", None) or {}
-            return _Batch(ids, [int(p) for p in prompts], requests, int(scheduled) if scheduled is not None else None)
-        frame = frame.f_back
-    return None
-
-
-def _vocab_size(vllm_config: Any) -> int | None:
-    try:
-        return int(vllm_config.model_config.get_vocab_size())
-    except Exception:
-        return None
-
-
-def _fingerprint(vllm_config: Any) -> str | None:
-    """Return the fingerprint of the served model's tokenizer, so a store built with another one is refused."""
-    from crest.decoding.tokenizer import load_tokenizer
-
-    path = getattr(vllm_config.model_config, "tokenizer", None) or vllm_config.model_config.model
-    try:
-        return load_tokenizer(str(path)).fingerprint
-    except Exception as exc:
-        log.warning("cannot read the tokenizer of %s (%s): the store's tokenizer is not checked", path, exc)
-        return None
