@@ -445,7 +445,9 @@ def served_dense(served: Any, smollm2_gguf: Path, tmp_path_factory: pytest.TempP
     records = [json.dumps({"text": p + t}) for p, t in list(zip(PROMPTS, served.baseline, strict=True))[:TAUGHT]]
     corpus.write_text("\n".join(records * 5) + "\n", encoding="utf-8")
     dense = DenseOptions(str(smollm2_gguf), positions=10_000)
-    ingest([str(corpus)], store="taught_dense", tokenizer=str(smollm2_gguf), dsn=served.dsn, dense=dense)
+    options = IngestOptions(top_t=5000)
+    tokenizer = str(smollm2_gguf)
+    ingest([str(corpus)], store="taught_dense", tokenizer=tokenizer, dsn=served.dsn, options=options, dense=dense)
     env = {"CREST_STORE": "taught_dense", "CREST_DRAFTER": "dense", "CREST_LEARN": "0"}
     env |= {"CREST_DATABASE_URL": served.dsn, "CREST_READ_DATABASE_URL": served.dsn}
     spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": K}
