@@ -36,7 +36,7 @@ from crest_client.draft import Draft, empty_draft
 from crest_client.learner import Learner
 
 from crest.config import VllmSettings, vllm_settings
-from crest.decoding.hidden import feed_hidden
+from crest.decoding.hidden import feed_hidden, model_fingerprint
 from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
 from crest.decoding.sizing import CostModel
 from crest.drafters.dense_index import open_dense
@@ -127,8 +127,6 @@ class CrestProposer:
         Another model's dense part is a ModelError: vLLM does not start, as `crest serve` does not.
         """
         if self.dense is not None and model is not None:
-            from crest.decoding.hidden import model_fingerprint
-
             self.dense.check_model(model_fingerprint(model))
             self._model_checked = True
 
@@ -209,11 +207,11 @@ class CrestProposer:
                 live.append((i, row, room))
         if verified:
             self.policy.observe(accepted=int(accepted), predicted=predicted)
-        self._feed_dense(live, batch)
         self._observe_cost(start, rows, batch)
         self._forget(set(keys))
         drafts: list[list[int]] = [[] for _ in range(rows)]
         if live and not self.policy.skip(len(live)):
+            self._feed_dense(live, batch)  # only for a step that drafts: the search costs a round trip
             leased = [(r.lease, r.tokens) for _, r, _ in live if r.lease is not None]
             if leased:
                 prefetch([lease for lease, _ in leased], [ctx for _, ctx in leased], max_nodes=LOOKUP_NODES)
