@@ -15,7 +15,7 @@ from crest.config import IngestOptions
 from crest.decoding.tokenizer import load_tokenizer
 from crest.ingest.pipeline import build_store
 from crest.ingest.publishing import Vocabulary
-from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, split_held_out
+from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, novel_positions, split_held_out
 from crest.ingest.suffixes import prune_mask
 from tests.fix_corpus import make_word_tokenizer
 from tests.fix_learning import published, version_rows
@@ -66,6 +66,45 @@ def test_the_rule_whose_tree_the_held_out_text_follows_is_chosen(follows: int, r
     assert (choice.m_longest, choice.m_prune) == ((1.5, 1.0) if rule == "longest" else (1.0, 1.5))
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20], ids=["chunk-1", "chunk-3", "one-chunk"])
+def test_novel_positions_are_those_whose_window_the_build_never_holds(chunk: int) -> None:
+    build = (np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2], dtype=np.int32), _offsets([9, 3]))
+    held_docs = [
+        [1, 2, 3, 4, 5, 6, 7],  # every 4-token window is a build window: nothing novel
+        [1, 2, 3, 4, 5, 0, 7],  # the windows through the 0 are new
+        [8, 9, 9, 1],  # spans the end of a build document and the start of the next: not a build window
+    ]
+    held = (np.concatenate([np.array(d, dtype=np.int32) for d in held_docs]), _offsets([len(d) for d in held_docs]))
+    novel = novel_positions(build, held, window=2, chunk_tokens=chunk)
+    # [p - 2, p + 2) inside the document: p in 2..len - 2 of each; the 0 sits at 5 in document 2
+    assert np.flatnonzero(novel).tolist() == [7 + 4, 7 + 5, 14 + 2]
+
+
+def test_novel_positions_without_windows_or_build() -> None:
+    held = (np.array([1, 2, 3], dtype=np.int32), _offsets([3]))
+    assert not novel_positions((np.zeros(0, np.int32), _offsets([])), held, window=2).any()  # no full window
+    novel = novel_positions((np.zeros(0, np.int32), np.zeros(1, np.int64)), held, window=1)
+    assert novel.tolist() == [False, True, True]  # an empty build holds no window
+
+
+def test_only_novel_positions_are_judged() -> None:
+    # the build repeats "2 1 11": "2 1" has a thin tree (11), "1" a rich one (10, 500 times). Held out: the repeat
+    # (every window seen: longest is right there), then "2 1 10 3", whose windows after "2 1" are new (prune is right)
+    rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
+    keep = prune_mask(rows, width=2, max_matches=5000)
+    copies = [2, 1, 11] * 4
+    held = (np.array(copies + [2, 1, 10, 3], dtype=np.int32), _offsets([len(copies), 4]))
+    build = (np.array(copies * 3, dtype=np.int32), _offsets([3 * len(copies)]))
+    novel = novel_positions(build, held, window=1)
+    assert np.flatnonzero(novel).tolist() == [len(copies) + 2, len(copies) + 3]  # [1, 10] and [10, 3]
+    kw = {"width": 2, "max_n": 4, "length": 3, "table": None, "seed": 0}
+    every, judged = choose_rule(rows, keep, held, **kw), choose_rule(rows, keep, held, novel=novel, **kw)
+    assert (every.rule, every.novel) == ("longest", False) and every.positions == len(copies) - 1 + 3
+    assert (judged.rule, judged.novel, judged.positions) == ("prune", True, 2)
+    nothing_new = choose_rule(rows, keep, held, novel=np.zeros_like(novel), **kw)
+    assert (nothing_new.rule, nothing_new.novel, nothing_new.positions) == (every.rule, False, every.positions)
+
+
 def test_a_tie_keeps_prune_the_smaller() -> None:
     rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
     held = (np.array([3, 3, 3], dtype=np.int32), _offsets([3]))  # no stored suffix anywhere
@@ -102,7 +141,7 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
         options=IngestOptions(**base, suffix_rule="auto"),
     )
     choice = got.suffix_choice
-    assert choice is not None and choice["rule"] == want and choice["positions"] > 50, choice
+    assert choice is not None and choice["rule"] == want and choice["positions"] > 50 and choice["novel"], choice
     bt, bo, *_ = split_held_out(tokens, offsets, seed=seed)
     assert got.tokens == int(bo[-1]) < int(offsets[-1])  # the held-out documents are not in the store
     same = "prune" if choice["rule"] == "prune" else "lookup"

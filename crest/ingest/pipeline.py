@@ -38,7 +38,7 @@ from crest.ingest.publishing import (
     prepared,
     publish_summary,
 )
-from crest.ingest.suffix_choice import split_held_out
+from crest.ingest.suffix_choice import novel_positions, split_held_out
 from crest.ingest.suffixes import resolve_build
 from crest.ingest.tokenizer import tokenize_corpus
 
@@ -159,10 +159,11 @@ def build_store(
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
     options = check_ingest(options, store=store, chunk_tokens=chunk_tokens)
     report = report or CorpusReport(documents=len(offsets) - 1)
-    held = None
+    held = novel = None
     if options.suffix_rule == "auto":  # a slice of the corpus left out to choose the rule on: suffix_choice
         tokens, offsets, *rest = split_held_out(tokens, offsets, seed=options.seed)
         held = (rest[0], rest[1])
+        novel = novel_positions((tokens, offsets), held, window=options.max_n, chunk_tokens=chunk_tokens)
     rep = reporter or SilentReporter()
     seconds = {} if seconds is None else seconds
     t0 = time.perf_counter()
@@ -192,6 +193,7 @@ def build_store(
             width=loader.width,
             decided=reuse.decided if reuse is not None else (),
             held=held,
+            novel=novel,
         )
         if resolved is not None:
             loader.nodes, loader.blob_bytes = resolved.nodes, resolved.blob_bytes

@@ -6,10 +6,15 @@ long n-grams' thin trees shadow their suffixes' rich ones. `auto` decides per bu
 be measured on: a seeded slice of the corpus's documents (`HELD_FRACTION` of its tokens, at most `HELD_TOKENS`) is
 left out of the build, and at up to `POSITIONS` sampled positions of that slice the tree each rule would draft
 from is matched against the tokens that follow there (`crest_client.merge.match_path`, what greedy verification
-accepts). The rule with the higher mean accepted length plus one (a proxy of M) is kept, `prune` on a tie (fewer
-bytes): `prune` drops the rows `expected` never drafts from, `longest` keeps every row. Either way a lookup reads
-one row, the longest stored suffix (the client reads every rule but `lookup` so), and the choice and both
-estimates are recorded in the version's figures (`suffix_choice`).
+accepts). Only novel positions are judged: those whose `2 * max_n` tokens around them (the longest context and as
+many tokens after it) occur nowhere in the build. A corpus repeats itself (headers, idioms, near-copies between
+files, re-posted conversations), and at a verbatim repeat the longest suffix's thin tree holds exactly what
+follows, so judged on every position the slice favours `longest` far more than prompts that are not copies of the
+corpus do (on the standard library by 10%, where HumanEval favoured `prune` by 5%). Without a novel position
+every position is judged. The rule with the higher mean accepted length plus one (a proxy of M) is kept, `prune`
+on a tie (fewer bytes): `prune` drops the rows `expected` never drafts from, `longest` keeps every row. Either way
+a lookup reads one row, the longest stored suffix (the client reads every rule but `lookup` so), and the choice
+and both estimates are recorded in the version's figures (`suffix_choice`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from crest_client.merge import match_path
 HELD_FRACTION = 0.01  # of the corpus's tokens held out of an `auto` build to choose its rule on
 HELD_TOKENS = 200_000  # at most
 POSITIONS = 4000  # held-out positions the rules are compared at, at most
+_PRIME = np.uint64(1099511628211)  # of the polynomial window hash (FNV's 64-bit prime)
 
 Row = tuple[bytes, int, int, bytes]  # (key, n, count, tree) as stored
 
@@ -40,6 +46,7 @@ class Choice:
     positions: int
     held_documents: int
     held_tokens: int
+    novel: bool = False  # judged on novel positions only (`novel_positions`); False: every position was
 
     def figures(self) -> dict[str, Any]:
         """Return the choice as the version's figures record it."""
@@ -85,15 +92,19 @@ def choose_rule(
     length: int,
     table: TokenTable | None,
     seed: int,
+    novel: np.ndarray | None = None,
 ) -> Choice:
-    """Return the rule whose trees match the held-out text better: `prune` (rows where `keep`) or `longest` (all)."""
+    """Return the rule whose trees match the held-out text better: `prune` (rows where `keep`) or `longest` (all).
+
+    `novel` ([H] bools over the held-out tokens, `novel_positions`) limits the judged positions to novel ones.
+    """
     tokens, offsets = held
     stored = {key: (n, tree, kept) for (key, n, _, tree), kept in zip(rows, keep, strict=True)}
-    at = _positions(offsets, seed=seed)
+    at, judged_novel = _positions(offsets, novel, seed=seed)
     decoded: dict[bytes, Draft] = {}
     scores = {"prune": 0, "longest": 0}
-    for p, end in at:
-        context = tokens[max(p - max_n, 0) : p].astype(f">u{width}").tobytes()
+    for start, p, end in at:
+        context = tokens[max(p - max_n, start) : p].astype(f">u{width}").tobytes()
         truth = tokens[p : min(end, p + length)].tolist()
         longest = pruned = None
         for cut in range(0, len(context), width):  # suffixes longest first
@@ -120,18 +131,73 @@ def choose_rule(
         positions=len(at),
         held_documents=int(offsets.shape[0] - 1),
         held_tokens=int(offsets[-1]) if offsets.shape[0] else 0,
+        novel=judged_novel,
     )
 
 
-def _positions(offsets: np.ndarray, *, seed: int) -> list[tuple[int, int]]:
-    """Return up to `POSITIONS` seeded (position, its document's end) pairs with a token before and one after."""
-    starts, ends = offsets[:-1], offsets[1:]
-    spans = np.maximum(ends - starts - 1, 0)  # [D] positions p with start < p < end
-    total = int(spans.sum())
-    if total == 0:
-        return []
-    picks = np.sort(np.random.default_rng(seed).choice(total, size=min(POSITIONS, total), replace=False))
-    doc = np.searchsorted(np.cumsum(spans), picks, side="right")  # [P] the document of each pick
-    before = np.r_[0, np.cumsum(spans)[:-1]]
-    p = starts[doc] + 1 + (picks - before[doc])
-    return list(zip(p.tolist(), ends[doc].tolist(), strict=True))
+def novel_positions(
+    build: tuple[np.ndarray, np.ndarray],
+    held: tuple[np.ndarray, np.ndarray],
+    *,
+    window: int,
+    chunk_tokens: int = 1 << 22,
+) -> np.ndarray:
+    """Return [H] bools: the held-out positions p whose tokens [p - window, p + window) lie in p's document and
+    occur in no build document.
+
+    Windows are compared by a 64-bit polynomial hash; the build is read in chunks of `chunk_tokens` windows, so
+    memory stays bounded by the chunk and the held-out slice, not the corpus.
+    """
+    # build, held: (tokens [N] int32, offsets [D + 1] int64)
+    tokens, offsets = held
+    size = 2 * window
+    found = np.zeros(tokens.shape[0], dtype=bool)
+    starts = _window_starts(offsets, 0, max(tokens.shape[0] - size + 1, 0), size)  # [W] windows inside a document
+    if starts.shape[0] == 0:
+        return found
+    hashes = _window_hashes(tokens, starts, size)
+    wanted, first = np.unique(hashes, return_inverse=True)  # [U] distinct held-out windows
+    seen = np.zeros(wanted.shape[0], dtype=bool)
+    b_tokens, b_offsets = build
+    total = max(int(b_tokens.shape[0]) - size + 1, 0)
+    for lo in range(0, total, chunk_tokens):
+        at = _window_starts(b_offsets, lo, min(lo + chunk_tokens, total), size)
+        got = _window_hashes(b_tokens, at, size)
+        where = np.minimum(np.searchsorted(wanted, got), wanted.shape[0] - 1)
+        seen[where[wanted[where] == got]] = True
+    found[starts + window] = ~seen[first]
+    return found
+
+
+def _window_starts(offsets: np.ndarray, lo: int, hi: int, size: int) -> np.ndarray:
+    """Return the starts q in [lo, hi) whose `size` tokens lie inside one document."""
+    q = np.arange(lo, hi, dtype=np.int64)
+    doc = np.searchsorted(offsets, q, side="right") - 1  # [Q] the document each window starts in
+    return q[q + size <= offsets[np.minimum(doc + 1, offsets.shape[0] - 1)]]
+
+
+def _window_hashes(tokens: np.ndarray, starts: np.ndarray, size: int) -> np.ndarray:
+    """Return the 64-bit hash of tokens[q : q + size] for each start q (uint64 arithmetic wraps)."""
+    h = np.zeros(starts.shape[0], dtype=np.uint64)
+    for k in range(size):
+        h = h * _PRIME + tokens[starts + k].astype(np.uint64) + np.uint64(1)
+    return h
+
+
+def _positions(offsets: np.ndarray, novel: np.ndarray | None, *, seed: int) -> tuple[list[tuple[int, int, int]], bool]:
+    """Return up to `POSITIONS` seeded (its document's start, position, its document's end) with a token before and
+    one after, novel ones only when `novel` marks any, and whether they are."""
+    at = np.arange(int(offsets[-1]) if offsets.shape[0] else 0, dtype=np.int64)
+    doc = np.searchsorted(offsets, at, side="right") - 1  # [H] the document of each held-out token
+    usable = at > offsets[doc]  # p with start < p < end
+    judged_novel = novel is not None and bool(np.count_nonzero(novel & usable))
+    if judged_novel:
+        assert novel is not None
+        usable &= novel
+    candidates = at[usable]
+    if candidates.shape[0] == 0:
+        return [], False
+    count = candidates.shape[0]
+    p = candidates[np.sort(np.random.default_rng(seed).choice(count, size=min(POSITIONS, count), replace=False))]
+    spans = offsets[doc[p]].tolist(), p.tolist(), offsets[doc[p] + 1].tolist()
+    return list(zip(*spans, strict=True)), judged_novel

@@ -96,11 +96,12 @@ def resolve_build(
     width: int,
     decided: Collection[bytes] = (),
     held: tuple[np.ndarray, np.ndarray] | None = None,
+    novel: np.ndarray | None = None,
 ) -> Resolved | None:
     """Rewrite the build's rows as `options.suffix_rule` decides; return what is left (None with `lookup`).
 
     `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row); `held`
-    the held-out (tokens, offsets) `auto` chooses on (`crest.ingest.suffix_choice`).
+    the held-out (tokens, offsets) `auto` chooses on and `novel` its novel positions (`crest.ingest.suffix_choice`).
     """
     if options.suffix_rule == "lookup":
         return None
@@ -124,6 +125,7 @@ def resolve_build(
                 length=options.continuation_length,
                 table=table if options.blob_format == 2 else None,
                 seed=options.seed,
+                novel=novel,
             ).figures()
             if choice["rule"] == "longest":  # every row stays, read by its longest stored suffix: no rewrite
                 return Resolved(sum(tree_nodes(r[3]) for r in rows), sum(len(r[3]) for r in rows), {}, choice)
