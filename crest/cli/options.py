@@ -105,8 +105,8 @@ SuffixRule = Annotated[
         "suffixes', as n-gram models back off, so a lookup fetches one row) or prune (its own, kept only where "
         "the client's expected rule would draft from it: a lookup fetches one row and drafts what expected "
         "drafts on the whole store, in fewer bytes) or auto (prune, or every row read by its longest suffix, "
-        "whichever drafts better on a held-out 1% of the corpus, left out of the store, at the positions whose "
-        "surrounding text the store's documents never hold verbatim).",
+        "whichever drafts better on a held-out 1% of the corpus, at the positions whose surrounding text the "
+        "rest never holds verbatim; chosen by a trial build without that 1%, then built from the whole corpus).",
     ),
 ]
 Keep = Annotated[

@@ -65,11 +65,23 @@ def estimate_row_bytes(key_bytes: np.ndarray | int, blob_bytes: np.ndarray | int
     return heap + _HASH_ENTRY_BYTES + 2  # + the key filter's 10 bits
 
 
+class RowSink(Protocol):
+    """Takes the loaded rows: a build's table (`db.Build`), or memory (`--suffix-rule auto`'s trial build)."""
+
+    def copy_ngrams(self, rows: Iterable[tuple[bytes, int, int, bytes]]) -> int: ...
+
+
 class RowLoader:
     """Builds trees for the selected n-grams, encodes them and streams rows into the build's table."""
 
     def __init__(
-        self, build: db.Build, vocab_size: int, options: IngestOptions, *, chunk_tokens: int, min_count: int = 1
+        self,
+        build: db.Build | RowSink,
+        vocab_size: int,
+        options: IngestOptions,
+        *,
+        chunk_tokens: int,
+        min_count: int = 1,
     ) -> None:
         self.chunk_tokens = chunk_tokens
         self.min_count = min_count
@@ -120,6 +132,7 @@ class RowLoader:
         """Copy the rows `reuse` supplies (accounted like built ones) and return the rest of the selection."""
         if self.reuse is None or len(sel.counts) == 0:
             return sel
+        assert isinstance(self.build, db.Build)  # rows are reused into a version's table only
         done, nodes, blob_bytes = self.reuse.copy(self.build, n, sel.ngrams, sel.counts)
         raw = np.ascontiguousarray(sel.ngrams[done], dtype=np.int64).astype(f">u{self.width}").tobytes()
         stride = n * self.width

@@ -38,7 +38,7 @@ from crest.ingest.publishing import (
     prepared,
     publish_summary,
 )
-from crest.ingest.suffix_choice import novel_positions, split_held_out
+from crest.ingest.suffix_choice import choose_at_ingest
 from crest.ingest.suffixes import resolve_build
 from crest.ingest.tokenizer import tokenize_corpus
 
@@ -159,13 +159,21 @@ def build_store(
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
     options = check_ingest(options, store=store, chunk_tokens=chunk_tokens)
     report = report or CorpusReport(documents=len(offsets) - 1)
-    held = novel = None
-    if options.suffix_rule == "auto":  # a slice of the corpus left out to choose the rule on: suffix_choice
-        tokens, offsets, *rest = split_held_out(tokens, offsets, seed=options.seed)
-        held = (rest[0], rest[1])
-        novel = novel_positions((tokens, offsets), held, window=options.max_n, chunk_tokens=chunk_tokens)
     rep = reporter or SilentReporter()
     seconds = {} if seconds is None else seconds
+    choice = None
+    if options.suffix_rule == "auto":  # the rule, chosen by a trial build without a held-out slice: suffix_choice
+        t0 = time.perf_counter()
+        choice = choose_at_ingest(
+            tokens,
+            offsets,
+            vocab_size=vocabulary.size,
+            options=options,
+            chunk_tokens=chunk_tokens,
+            reporter=rep,
+            min_count=min_count,
+        ).figures()
+        seconds["suffix_choice"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     fault_pause("count")
     counts = count_ngrams(
@@ -192,8 +200,7 @@ def build_store(
             table=loader.table,
             width=loader.width,
             decided=reuse.decided if reuse is not None else (),
-            held=held,
-            novel=novel,
+            choice=choice,
         )
         if resolved is not None:
             loader.nodes, loader.blob_bytes = resolved.nodes, resolved.blob_bytes

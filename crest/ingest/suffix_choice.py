@@ -4,22 +4,22 @@ Neither client rule wins everywhere: the longest stored suffix drafts best from 
 are common ones, and the `expected` rule (which `prune` stores in one row a lookup) from a large one, where rare
 long n-grams' thin trees shadow their suffixes' rich ones. `auto` decides per build, without the prompts it will
 be measured on: a seeded slice of the corpus's documents (`HELD_FRACTION` of its tokens, at most `HELD_TOKENS`) is
-left out of the build, and at up to `POSITIONS` sampled positions of that slice the tree each rule would draft
-from is matched against the tokens that follow there (`crest_client.merge.match_path`, what greedy verification
+left out of a trial build (its rows in memory), and at up to `POSITIONS` sampled positions of that slice the tree
+each rule would draft from is matched against the tokens that follow there (`crest_client.merge.match_path`, what greedy verification
 accepts). Only novel positions are judged: those whose `2 * max_n` tokens around them (the longest context and as
 many tokens after it) occur nowhere in the build. A corpus repeats itself (headers, idioms, near-copies between
 files, re-posted conversations), and at a verbatim repeat the longest suffix's thin tree holds exactly what
 follows, so judged on every position the slice favours `longest` far more than prompts that are not copies of the
 corpus do (on the standard library by 10%, where HumanEval favoured `prune` by 5%). Without a novel position
 every position is judged. The rule with the higher mean accepted length plus one (a proxy of M) is kept, `prune`
-on a tie (fewer bytes): `prune` drops the rows `expected` never drafts from, `longest` keeps every row. Either way
-a lookup reads one row, the longest stored suffix (the client reads every rule but `lookup` so), and the choice
+on a tie (fewer bytes). The store is then built from the whole corpus with that rule (so a build costs about two):
+`prune` drops the rows `expected` never drafts from, `longest` keeps every row. Either way a lookup reads one row, the longest stored suffix (the client reads every rule but `lookup` so), and the choice
 and both estimates are recorded in the version's figures (`suffix_choice`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +27,11 @@ import numpy as np
 from crest_client.codec import TokenTable, decode_tree
 from crest_client.draft import Draft
 from crest_client.merge import match_path
+
+from crest.config import IngestOptions
+from crest.ingest.loader import Advance, Reporter, RowLoader
+from crest.ingest.ngrams import count_ngrams
+from crest.ingest.suffixes import prune_mask
 
 HELD_FRACTION = 0.01  # of the corpus's tokens held out of an `auto` build to choose its rule on
 HELD_TOKENS = 200_000  # at most
@@ -51,6 +56,71 @@ class Choice:
     def figures(self) -> dict[str, Any]:
         """Return the choice as the version's figures record it."""
         return asdict(self)
+
+
+def choose_at_ingest(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    *,
+    vocab_size: int,
+    options: IngestOptions,
+    chunk_tokens: int,
+    reporter: Reporter,
+    min_count: int = 1,
+) -> Choice:
+    """Return the rule a trial build of the corpus without its held-out slice drafts that slice better with.
+
+    The trial's rows stay in memory (as many as the build itself reads back to resolve them); the store is then
+    built from the whole corpus with the rule chosen, so no document is left out of it.
+    """
+    # tokens: [N] int32, offsets: [D + 1] int64
+    b_tokens, b_offsets, h_tokens, h_offsets = split_held_out(tokens, offsets, seed=options.seed)
+    novel = novel_positions(
+        (b_tokens, b_offsets), (h_tokens, h_offsets), window=options.max_n, chunk_tokens=chunk_tokens
+    )
+    trial = _Trial(reporter)
+    counts = count_ngrams(
+        b_tokens,
+        b_offsets,
+        max_n=options.max_n,
+        vocab_size=vocab_size,
+        progress=trial.stage("count n-grams", int(b_tokens.shape[0]) * options.max_n),
+        chunk_tokens=chunk_tokens,
+    )
+    trial.done("count n-grams")
+    loader = RowLoader(trial, vocab_size, options, chunk_tokens=chunk_tokens, min_count=min_count)
+    loader.load(b_tokens, b_offsets, counts, trial)
+    rows = sorted(trial.rows, key=lambda row: row[1])  # by n, as the build's table is read
+    return choose_rule(
+        rows,
+        prune_mask(rows, width=loader.width, max_matches=options.max_matches),
+        (h_tokens, h_offsets),
+        width=loader.width,
+        max_n=options.max_n,
+        length=options.continuation_length,
+        table=loader.table if options.blob_format == 2 else None,
+        seed=options.seed,
+        novel=novel,
+    )
+
+
+class _Trial:
+    """The trial build's row sink (memory) and reporter (its stages named as the trial's)."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter = reporter
+        self.rows: list[Row] = []
+
+    def copy_ngrams(self, rows: Iterable[Row]) -> int:
+        before = len(self.rows)
+        self.rows.extend(rows)
+        return len(self.rows) - before
+
+    def stage(self, name: str, total: int | None) -> Advance:
+        return self.reporter.stage(f"auto's trial: {name}", total)
+
+    def done(self, name: str) -> None:
+        self.reporter.done(f"auto's trial: {name}")
 
 
 def split_held_out(

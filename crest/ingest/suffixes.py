@@ -23,7 +23,7 @@ the row alone, so the longest kept suffix of any context is the suffix `expected
 row per lookup drafts what `expected` drafts, from the rows that can win. The decision is made on every row
 (copied ones too): it depends only on the rows built, which an incremental refresh builds as a full one does. The
 Spark engine applies the same `kept_by_prune` on its executors (`crest.ingest.spark_prune`). With `--suffix-rule
-auto` the build prunes, or keeps every row, whichever drafts better on a held-out slice (`crest.ingest.suffix_choice`).
+auto` the build prunes, or keeps every row, as chosen before it on a held-out slice (`crest.ingest.suffix_choice`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from psycopg import sql
 
 from crest import db
 from crest.config import IngestOptions
-from crest.ingest.suffix_choice import choose_rule
 
 BACKOFF_SCALE = 127  # integer weight of a back-off tree's whole mass: weights 1..127
 
@@ -95,16 +94,17 @@ def resolve_build(
     table: TokenTable,
     width: int,
     decided: Collection[bytes] = (),
-    held: tuple[np.ndarray, np.ndarray] | None = None,
-    novel: np.ndarray | None = None,
+    choice: dict[str, Any] | None = None,
 ) -> Resolved | None:
     """Rewrite the build's rows as `options.suffix_rule` decides; return what is left (None with `lookup`).
 
-    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row); `held`
-    the held-out (tokens, offsets) `auto` chooses on and `novel` its novel positions (`crest.ingest.suffix_choice`).
+    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row); `choice`
+    the figures of the rule `auto` chose before the build (`crest.ingest.suffix_choice.choose_at_ingest`).
     """
     if options.suffix_rule == "lookup":
         return None
+    if (options.suffix_rule == "auto") != (choice is not None):
+        raise ValueError("a choice resolves an `auto` build, and only one")
     ngrams = db.ngram_table(build.store_id)
     with build.conn.transaction():
         found = build.conn.execute(
@@ -112,23 +112,10 @@ def resolve_build(
         ).fetchall()
     rows: list[Row] = [(bytes(k), int(n), int(c), bytes(t)) for k, n, c, t in found]
     dropped: dict[bytes, int] = {}
-    choice = None
+    if choice is not None and choice["rule"] == "longest":  # every row stays, read by its longest suffix: no rewrite
+        return Resolved(sum(tree_nodes(r[3]) for r in rows), sum(len(r[3]) for r in rows), {}, choice)
     if options.suffix_rule in ("prune", "auto"):
         keep = prune_mask(rows, width=width, max_matches=options.max_matches)
-        if options.suffix_rule == "auto":
-            choice = choose_rule(
-                rows,
-                keep,
-                held or (np.zeros(0, np.int32), np.zeros(1, np.int64)),
-                width=width,
-                max_n=options.max_n,
-                length=options.continuation_length,
-                table=table if options.blob_format == 2 else None,
-                seed=options.seed,
-                novel=novel,
-            ).figures()
-            if choice["rule"] == "longest":  # every row stays, read by its longest stored suffix: no rewrite
-                return Resolved(sum(tree_nodes(r[3]) for r in rows), sum(len(r[3]) for r in rows), {}, choice)
         dropped = {r[0]: r[2] for r, kept in zip(rows, keep, strict=True) if not kept}
         rows = [r for r, kept in zip(rows, keep, strict=True) if kept]
         nodes = sum(tree_nodes(r[3]) for r in rows)
