@@ -5,16 +5,17 @@ are common ones, and the `expected` rule (which `prune` stores in one row a look
 long n-grams' thin trees shadow their suffixes' rich ones. `auto` decides per build, without the prompts it will
 be measured on: a seeded slice of the corpus's documents (`HELD_FRACTION` of its tokens, at most `HELD_TOKENS`) is
 left out of a trial build (its rows in memory), and at up to `POSITIONS` sampled positions of that slice the tree
-each rule would draft from is matched against the tokens that follow there (`crest_client.merge.match_path`, what greedy verification
-accepts). Only novel positions are judged: those whose `2 * max_n` tokens around them (the longest context and as
-many tokens after it) occur nowhere in the build. A corpus repeats itself (headers, idioms, near-copies between
-files, re-posted conversations), and at a verbatim repeat the longest suffix's thin tree holds exactly what
-follows, so judged on every position the slice favours `longest` far more than prompts that are not copies of the
-corpus do (on the standard library by 10%, where HumanEval favoured `prune` by 5%). Without a novel position
-every position is judged. The rule with the higher mean accepted length plus one (a proxy of M) is kept, `prune`
-on a tie (fewer bytes). The store is then built from the whole corpus with that rule (so a build costs about two):
-`prune` drops the rows `expected` never drafts from, `longest` keeps every row. Either way a lookup reads one row, the longest stored suffix (the client reads every rule but `lookup` so), and the choice
-and both estimates are recorded in the version's figures (`suffix_choice`).
+each rule would draft from is matched against the tokens that follow there (`crest_client.merge.match_path`, what
+greedy verification accepts). Only novel positions are judged: those whose `2 * max_n` tokens around them (the
+longest context and as many tokens after it) occur nowhere in the trial's documents. A corpus repeats itself
+(headers, idioms, near-copies between files, re-posted conversations), and at a verbatim repeat the longest
+suffix's thin tree holds exactly what follows, so judged on every position the slice favours `longest` far more
+than prompts that are not copies of the corpus do (on the standard library by 10%, where HumanEval favoured
+`prune` by 5%). Without a novel position every position is judged. The rule with the higher mean accepted length
+plus one (a proxy of M) is kept, `prune` on a tie (fewer bytes). The store is then built from the whole corpus
+with that rule (so an `auto` build costs about two): `prune` drops the rows `expected` never drafts from, `longest`
+keeps every row. Either way a lookup reads one row, the longest stored suffix (the client reads every rule but
+`lookup` so), and the choice and both estimates are recorded in the version's figures (`suffix_choice`).
 """
 
 from __future__ import annotations
