@@ -13,11 +13,13 @@ from crest_client.codec import encode_tree
 from crest.bench.lookup import tree_source
 from crest.config import IngestOptions
 from crest.decoding.tokenizer import load_tokenizer
+from crest.errors import ConfigError
 from crest.ingest.pipeline import build_store
 from crest.ingest.publishing import Vocabulary
 from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, novel_positions, split_held_out
 from crest.ingest.suffixes import prune_mask
-from tests.fix_corpus import make_word_tokenizer
+from tests.fix_cli import run
+from tests.fix_corpus import make_word_tokenizer, write_jsonl
 from tests.fix_learning import published, version_rows
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -112,6 +114,25 @@ def test_a_tie_keeps_prune_the_smaller() -> None:
     assert choice.rule == "prune" and choice.m_prune == choice.m_longest == 1.0
 
 
+def _phrases(rng: np.random.Generator) -> list[list[int]]:
+    return [rng.integers(2, 14, size=int(rng.integers(2, 6))).tolist() for _ in range(8)]
+
+
+def _corpus(
+    rng: np.random.Generator, phrases: list[list[int]], phrases_share: float, documents: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Documents of 60 words or so: the phrases (each a few words) with `phrases_share`, else Zipf noise words."""
+    docs = []
+    for _ in range(documents):
+        words: list[int] = []
+        while len(words) < 60:
+            words += (
+                phrases[int(rng.integers(8))] if rng.random() < phrases_share else [2 + min(30, int(rng.zipf(1.4)))]
+            )
+        docs.append(words)
+    return np.concatenate([np.array(d, dtype=np.int32) for d in docs]), _offsets([len(d) for d in docs])
+
+
 # repeated phrases: long n-grams are right, `longest` wins; Zipf noise alone: thin long trees lose to `expected`
 @pytest.mark.parametrize(("seed", "phrases_share", "want"), [(0, 0.5, "longest"), (1, 0.0, "prune")])
 def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
@@ -120,17 +141,7 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
     spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
     vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
     rng = np.random.default_rng(seed)
-    phrases = [rng.integers(2, 14, size=int(rng.integers(2, 6))).tolist() for _ in range(8)]
-    docs = []
-    for _ in range(300):
-        words: list[int] = []
-        while len(words) < 60:
-            words += (
-                phrases[int(rng.integers(8))] if rng.random() < phrases_share else [2 + min(30, int(rng.zipf(1.4)))]
-            )
-        docs.append(words)
-    tokens = np.concatenate([np.array(d, dtype=np.int32) for d in docs])
-    offsets = _offsets([len(d) for d in docs])
+    tokens, offsets = _corpus(rng, _phrases(rng), phrases_share, 300)
     base = {"top_t": 400, "max_n": 4, "continuation_length": 4, "max_matches": 20, "tree_size": 16, "seed": seed}
     got = build_store(
         tokens,
@@ -163,3 +174,85 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
         source = tree_source(db_dsn, handle, suffix, handle.rule)
     said = "the rule auto chose at ingest" if want == "longest" else "kept at ingest (auto: prune)"
     assert said in source, source
+
+
+# the judge text decides, not the corpus: Zipf noise alone follows `expected`'s rich trees; the phrases alone, in new
+# orders (new windows), follow the long n-grams' thin trees
+@pytest.mark.parametrize(
+    ("judge_share", "want"), [(0.0, "prune"), (1.0, "longest")], ids=["noise-judge", "phrase-judge"]
+)
+def test_a_judge_corpus_chooses_on_the_whole_build(db_dsn: str, tmp_path: Path, judge_share: float, want: str) -> None:
+    spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
+    vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
+    rng = np.random.default_rng(0)
+    phrases = _phrases(rng)
+    tokens, offsets = _corpus(rng, phrases, 0.5, 300)
+    judge = _corpus(np.random.default_rng(7), phrases, judge_share, 40)
+    base = {"top_t": 400, "max_n": 4, "continuation_length": 4, "max_matches": 20, "tree_size": 16, "seed": 0}
+    got = build_store(
+        tokens,
+        offsets,
+        store="judged",
+        dsn=db_dsn,
+        vocabulary=vocabulary,
+        options=IngestOptions(**base, suffix_rule="auto"),
+        judge=judge,
+    )
+    choice = got.suffix_choice
+    assert choice is not None and choice["judged_on"] == "judge" and choice["rule"] == want, choice
+    assert choice["held_tokens"] == int(judge[1][-1]) and choice["novel"] and got.tokens == int(offsets[-1])
+    same = "prune" if want == "prune" else "lookup"
+    build_store(
+        tokens,
+        offsets,
+        store="same",
+        dsn=db_dsn,
+        vocabulary=vocabulary,
+        options=IngestOptions(**base, suffix_rule=same),
+    )
+    ids = published(db_dsn, "judged")["static"], published(db_dsn, "same")["static"]
+    assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
+
+
+def test_a_judge_corpus_needs_auto(db_dsn: str, tmp_path: Path) -> None:
+    spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
+    tokens, offsets = _corpus(np.random.default_rng(0), _phrases(np.random.default_rng(0)), 0.5, 20)
+    with pytest.raises(ConfigError, match="give --suffix-rule auto"):
+        build_store(
+            tokens,
+            offsets,
+            store="s",
+            dsn=db_dsn,
+            vocabulary=Vocabulary.of(load_tokenizer(spec), spec),
+            options=IngestOptions(top_t=10, suffix_rule="prune"),
+            judge=(tokens, offsets),
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--suffix-rule", "prune"], "--suffix-judge is the text --suffix-rule auto chooses its rule on"),
+        (["--suffix-rule", "auto", "--suffix-judge", "missing.jsonl"], "--suffix-judge: input "),
+    ],
+    ids=["without-auto", "missing-judge"],
+)
+def test_the_cli_refuses_a_bad_judge_and_builds_nothing(
+    db_dsn: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    said: str,
+) -> None:
+    tokenizer = make_word_tokenizer(tmp_path / "tok", WORDS)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "w1 w2 w3"}])
+    judge = write_jsonl(tmp_path / "j.jsonl", [{"text": "w1 w2"}])
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    monkeypatch.chdir(tmp_path)
+    args = ["ingest", str(corpus), "--store", "s", "--tokenizer", str(tokenizer), "--suffix-judge", str(judge)]
+    code, _, err = run(monkeypatch, capsys, *args, *extra)
+    assert code == 2 and said in err and "Traceback" not in err, err
+    with psycopg.connect(db_dsn) as conn:
+        built = conn.execute("SELECT to_regclass('crest_stores') IS NOT NULL").fetchone() == (True,)
+        assert not built or conn.execute("SELECT count(*) FROM crest_stores WHERE name = 's'").fetchone() == (0,)

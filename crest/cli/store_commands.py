@@ -47,6 +47,16 @@ def ingest(
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
     keep: Keep = "count",
     suffix_rule: SuffixRule = "lookup",
+    suffix_judge: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--suffix-judge",
+            envvar="CREST_BUILD_SUFFIX_JUDGE",
+            help="With --suffix-rule auto: documents to choose the rule on (a file, directory or glob; its format "
+            "detected; repeatable) instead of a held-out 1% of the corpus: text like what the model will write, "
+            "best its own answers (python3 -m crest.bench.self_corpus). One build, no trial build.",
+        ),
+    ] = None,
     blob_format: Annotated[
         int,
         typer.Option(envvar="CREST_BLOB_FORMAT", help="Tree blobs: 2 compact, 1 larger but faster to decode."),
@@ -119,6 +129,7 @@ def ingest(
     """
     from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
+    from crest.ingest.pipeline import check_judge
     from crest.ingest.pipeline import ingest as run_ingest
     from crest.ingest.publishing import check_ingest
 
@@ -137,6 +148,7 @@ def ingest(
         suffix_rule=suffix_rule,
     )
     options = check_ingest(options, store=store, engine=engine, chunk_tokens=chunk_tokens, partitions=spark_partitions)
+    check_judge(options, judged=bool(suffix_judge))
     dense = None
     if dense_model is not None:
         from crest.ingest.dense import DenseOptions
@@ -181,6 +193,7 @@ def ingest(
             reporter=reporter,
             chunk_tokens=chunk_tokens,
             dense=dense,
+            judge=suffix_judge or (),
         )
     print_summary(summary)
 

@@ -25,8 +25,8 @@ from crest_client.embedded import crest_home
 from crest import db
 from crest.config import IngestOptions, fault_pause, resolve_model_spec
 from crest.decoding.tokenizer import load_tokenizer
-from crest.errors import CorpusError
-from crest.ingest.corpus import CorpusReport, iter_documents
+from crest.errors import ConfigError, CorpusError
+from crest.ingest.corpus import CorpusReport, Document, iter_documents
 from crest.ingest.loader import Reporter, RowLoader, RowReuse, SilentReporter
 from crest.ingest.ngrams import count_ngrams
 from crest.ingest.publishing import (
@@ -38,8 +38,8 @@ from crest.ingest.publishing import (
     prepared,
     publish_summary,
 )
-from crest.ingest.suffix_choice import choose_at_ingest
-from crest.ingest.suffixes import resolve_build
+from crest.ingest.suffix_choice import choose_at_ingest, judge_by, made_before, novel_positions
+from crest.ingest.suffixes import Choose, resolve_build
 from crest.ingest.tokenizer import tokenize_corpus
 
 if TYPE_CHECKING:
@@ -85,6 +85,12 @@ def _remove_stale_workdirs(root: Path) -> None:
             pass
 
 
+def check_judge(options: IngestOptions, *, judged: bool) -> None:
+    """Raise ConfigError when a judge corpus is given to a build that chooses no rule (`--suffix-rule auto`)."""
+    if judged and options.suffix_rule != "auto":
+        raise ConfigError("--suffix-judge is the text --suffix-rule auto chooses its rule on: give --suffix-rule auto")
+
+
 def ingest(
     inputs: Sequence[str],
     *,
@@ -96,9 +102,14 @@ def ingest(
     reporter: Reporter | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
     dense: DenseOptions | None = None,
+    judge: Sequence[str] = (),
 ) -> IngestSummary:
-    """Build a new version of `store` from `inputs` and publish it atomically (with a dense part if `dense`)."""
+    """Build a new version of `store` from `inputs` and publish it atomically (with a dense part if `dense`).
+
+    `judge` names documents (any format, detected) that `--suffix-rule auto` chooses its rule on.
+    """
     options = check_ingest(options, store=store, engine="inprocess", chunk_tokens=chunk_tokens)
+    check_judge(options, judged=bool(judge))
     rep = reporter or SilentReporter()
     tokenizer = resolve_model_spec(tokenizer)
     seconds: dict[str, float] = {}
@@ -107,12 +118,21 @@ def ingest(
         t0 = time.perf_counter()
         report = CorpusReport()
         docs = iter_documents(list(inputs), fmt=fmt, report=report)
+        judge_docs = _judge_documents(judge)  # resolved now: a missing path fails before the corpus is read
         fault_pause("read")
         corpus = tokenize_corpus(docs, tok, workdir=work, progress=rep.stage("read + tokenize", None))
         rep.done("read + tokenize")
-        seconds["read_tokenize"] = time.perf_counter() - t0
         if corpus.tokens_total == 0:
             raise CorpusError("the corpus has no tokens: every document was empty")
+        judged = None
+        if judge_docs is not None:
+            (work / "judge").mkdir()
+            try:
+                text = tokenize_corpus(judge_docs, tok, workdir=work / "judge")
+            except CorpusError as exc:
+                raise CorpusError(f"--suffix-judge: {exc}") from None
+            judged = (text.tokens, text.doc_offsets)
+        seconds["read_tokenize"] = time.perf_counter() - t0
         summary = build_store(
             corpus.tokens,
             corpus.doc_offsets,
@@ -126,8 +146,19 @@ def ingest(
             chunk_tokens=chunk_tokens,
             seconds=seconds,
             dense=dense,
+            judge=judged,
         )
     return summary
+
+
+def _judge_documents(judge: Sequence[str]) -> Iterator[Document] | None:
+    """Return the documents of `--suffix-judge` (None without one); raise CorpusError naming the option."""
+    if not judge:
+        return None
+    try:
+        return iter_documents(list(judge), report=CorpusReport())
+    except CorpusError as exc:
+        raise CorpusError(f"--suffix-judge: {exc}") from None
 
 
 def build_store(
@@ -150,30 +181,39 @@ def build_store(
     reuse: Reuse | None = None,
     dense: DenseOptions | None = None,
     before_publish: Callable[[db.Build], None] | None = None,
+    judge: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> IngestSummary:
     """Count, select (n-grams seen `min_count` times or more), build trees, load and publish a version of `store`.
 
     `token_table` replaces the ranking of the tokens by their count here; with a fixed top-t, `reuse` copies rows
-    instead of building them; `before_publish` adds a part to the version (the live tier's dense entries).
+    instead of building them; `before_publish` adds a part to the version (the live tier's dense entries); `judge`
+    (tokens, offsets) is the text `--suffix-rule auto` chooses on instead of a held-out slice.
     """
     # tokens: [N] int32, offsets: [D + 1] int64, document d = tokens[offsets[d]:offsets[d + 1]]
     options = check_ingest(options, store=store, chunk_tokens=chunk_tokens)
     report = report or CorpusReport(documents=len(offsets) - 1)
     rep = reporter or SilentReporter()
     seconds = {} if seconds is None else seconds
-    choice = None
-    if options.suffix_rule == "auto":  # the rule, chosen by a trial build without a held-out slice: suffix_choice
+    choose: Choose | None = None
+    novel = None
+    if options.suffix_rule == "auto":  # the rule: on a trial build without a held-out slice, or on `judge`
         t0 = time.perf_counter()
-        choice = choose_at_ingest(
-            tokens,
-            offsets,
-            vocab_size=vocabulary.size,
-            options=options,
-            chunk_tokens=chunk_tokens,
-            reporter=rep,
-            min_count=min_count,
-        ).figures()
+        if judge is None:
+            trial = choose_at_ingest(
+                tokens,
+                offsets,
+                vocab_size=vocabulary.size,
+                options=options,
+                chunk_tokens=chunk_tokens,
+                reporter=rep,
+                min_count=min_count,
+            )
+            choose = made_before(trial)
+        else:
+            novel = novel_positions((tokens, offsets), judge, window=options.max_n, chunk_tokens=chunk_tokens)
         seconds["suffix_choice"] = time.perf_counter() - t0
+    else:
+        check_judge(options, judged=judge is not None)
     t0 = time.perf_counter()
     fault_pause("count")
     counts = count_ngrams(
@@ -193,6 +233,8 @@ def build_store(
         loader = RowLoader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
         loader.fixed_table, loader.reuse = token_table, reuse
         top_t = loader.load(tokens, offsets, counts, rep)
+        if judge is not None:
+            choose = judge_by(judge, novel, options=options, table=loader.table, width=loader.width)
         resolved = resolve_build(  # the tree each row holds: crest.ingest.suffixes
             build,
             options=options,
@@ -200,7 +242,7 @@ def build_store(
             table=loader.table,
             width=loader.width,
             decided=reuse.decided if reuse is not None else (),
-            choice=choice,
+            choose=choose,
         )
         if resolved is not None:
             loader.nodes, loader.blob_bytes = resolved.nodes, resolved.blob_bytes

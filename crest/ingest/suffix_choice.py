@@ -20,7 +20,7 @@ keeps every row. Either way a lookup reads one row, the longest stored suffix (t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ class Choice:
     held_documents: int
     held_tokens: int
     novel: bool = False  # judged on novel positions only (`novel_positions`); False: every position was
+    judged_on: str = "held-out"  # held-out (a slice of the corpus; held_* count it) | judge (--suffix-judge's text)
 
     def figures(self) -> dict[str, Any]:
         """Return the choice as the version's figures record it."""
@@ -164,6 +165,7 @@ def choose_rule(
     table: TokenTable | None,
     seed: int,
     novel: np.ndarray | None = None,
+    judged_on: str = "held-out",
 ) -> Choice:
     """Return the rule whose trees match the held-out text better: `prune` (rows where `keep`) or `longest` (all).
 
@@ -203,7 +205,41 @@ def choose_rule(
         held_documents=int(offsets.shape[0] - 1),
         held_tokens=int(offsets[-1]) if offsets.shape[0] else 0,
         novel=judged_novel,
+        judged_on=judged_on,
     )
+
+
+def made_before(choice: Choice) -> Callable[[Sequence[Row], Sequence[bool]], dict[str, Any]]:
+    """Return a choice made before the build (`choose_at_ingest`) as `resolve_build` asks for it."""
+    figures = choice.figures()
+    return lambda rows, keep: figures
+
+
+def judge_by(
+    text: tuple[np.ndarray, np.ndarray],
+    novel: np.ndarray | None,
+    *,
+    options: IngestOptions,
+    table: TokenTable,
+    width: int,
+) -> Callable[[Sequence[Row], Sequence[bool]], dict[str, Any]]:
+    """Return auto's choice on a judge corpus (`--suffix-judge`): the rows and prune's mask -> the choice's figures."""
+
+    def choose(rows: Sequence[Row], keep: Sequence[bool]) -> dict[str, Any]:
+        return choose_rule(
+            rows,
+            keep,
+            text,
+            width=width,
+            max_n=options.max_n,
+            length=options.continuation_length,
+            table=table if options.blob_format == 2 else None,
+            seed=options.seed,
+            novel=novel,
+            judged_on="judge",
+        ).figures()
+
+    return choose
 
 
 def novel_positions(

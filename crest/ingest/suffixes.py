@@ -23,12 +23,13 @@ the row alone, so the longest kept suffix of any context is the suffix `expected
 row per lookup drafts what `expected` drafts, from the rows that can win. The decision is made on every row
 (copied ones too): it depends only on the rows built, which an incremental refresh builds as a full one does. The
 Spark engine applies the same `kept_by_prune` on its executors (`crest.ingest.spark_prune`). With `--suffix-rule
-auto` the build prunes, or keeps every row, as chosen before it on a held-out slice (`crest.ingest.suffix_choice`).
+auto` the build prunes, or keeps every row, as `crest.ingest.suffix_choice` chooses (on a held-out slice, before the
+build, or on a judge corpus, on the build's rows).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -46,6 +47,7 @@ BACKOFF_SCALE = 127  # integer weight of a back-off tree's whole mass: weights 1
 
 Row = tuple[bytes, int, int, bytes]  # (key, n, count, tree) as stored
 Rank = tuple[float, int]  # the `expected` rule's sort key of a row (crest_client.choice.rank)
+Choose = Callable[[Sequence[Row], Sequence[bool]], dict[str, Any]]  # (rows by n, prune's mask) -> auto's choice
 T = TypeVar("T")
 
 
@@ -94,16 +96,16 @@ def resolve_build(
     table: TokenTable,
     width: int,
     decided: Collection[bytes] = (),
-    choice: dict[str, Any] | None = None,
+    choose: Choose | None = None,
 ) -> Resolved | None:
     """Rewrite the build's rows as `options.suffix_rule` decides; return what is left (None with `lookup`).
 
-    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row); `choice`
-    the figures of the rule `auto` chose before the build (`crest.ingest.suffix_choice.choose_at_ingest`).
+    `decided` holds the keys of rows copied already decided (`backoff`; `prune` decides on every row); `choose`
+    returns the figures of the rule `auto` keeps, given the rows and prune's mask (`crest.ingest.suffix_choice`).
     """
     if options.suffix_rule == "lookup":
         return None
-    if (options.suffix_rule == "auto") != (choice is not None):
+    if (options.suffix_rule == "auto") != (choose is not None):
         raise ValueError("a choice resolves an `auto` build, and only one")
     ngrams = db.ngram_table(build.store_id)
     with build.conn.transaction():
@@ -112,10 +114,13 @@ def resolve_build(
         ).fetchall()
     rows: list[Row] = [(bytes(k), int(n), int(c), bytes(t)) for k, n, c, t in found]
     dropped: dict[bytes, int] = {}
-    if choice is not None and choice["rule"] == "longest":  # every row stays, read by its longest suffix: no rewrite
-        return Resolved(sum(tree_nodes(r[3]) for r in rows), sum(len(r[3]) for r in rows), {}, choice)
+    choice = None
     if options.suffix_rule in ("prune", "auto"):
         keep = prune_mask(rows, width=width, max_matches=options.max_matches)
+        if choose is not None:
+            choice = choose(rows, keep)
+            if choice["rule"] == "longest":  # every row stays, read by its longest stored suffix: no rewrite
+                return Resolved(sum(tree_nodes(r[3]) for r in rows), sum(len(r[3]) for r in rows), {}, choice)
         dropped = {r[0]: r[2] for r, kept in zip(rows, keep, strict=True) if not kept}
         rows = [r for r, kept in zip(rows, keep, strict=True) if kept]
         nodes = sum(tree_nodes(r[3]) for r in rows)
