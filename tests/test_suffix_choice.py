@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psycopg
@@ -99,7 +100,7 @@ def test_only_novel_positions_are_judged() -> None:
     build = (np.array(copies * 3, dtype=np.int32), _offsets([3 * len(copies)]))
     novel = novel_positions(build, held, window=1)
     assert np.flatnonzero(novel).tolist() == [len(copies) + 2, len(copies) + 3]  # [1, 10] and [10, 3]
-    kw = {"width": 2, "max_n": 4, "length": 3, "table": None, "seed": 0}
+    kw: dict[str, Any] = {"width": 2, "max_n": 4, "length": 3, "table": None, "seed": 0}
     every, judged = choose_rule(rows, keep, held, **kw), choose_rule(rows, keep, held, novel=novel, **kw)
     assert (every.rule, every.novel) == ("longest", False) and every.positions == len(copies) - 1 + 3
     assert (judged.rule, judged.novel, judged.positions) == ("prune", True, 2)
@@ -142,7 +143,14 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
     vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
     rng = np.random.default_rng(seed)
     tokens, offsets = _corpus(rng, _phrases(rng), phrases_share, 300)
-    base = {"top_t": 400, "max_n": 4, "continuation_length": 4, "max_matches": 20, "tree_size": 16, "seed": seed}
+    base: dict[str, Any] = {
+        "top_t": 400,
+        "max_n": 4,
+        "continuation_length": 4,
+        "max_matches": 20,
+        "tree_size": 16,
+        "seed": seed,
+    }
     got = build_store(
         tokens,
         offsets,
@@ -166,7 +174,9 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
     ids = published(db_dsn, "auto")["static"], published(db_dsn, "same")["static"]
     assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
     with psycopg.connect(db_dsn) as conn:
-        params, figures = conn.execute("SELECT params, figures FROM crest_stores WHERE id = %s", (ids[0],)).fetchone()
+        row = conn.execute("SELECT params, figures FROM crest_stores WHERE id = %s", (ids[0],)).fetchone()
+    assert row is not None
+    params, figures = row
     assert params["suffix_rule"] == "auto" and figures["suffix_choice"] == choice
     key = next(k for n, k, _, _ in sorted(version_rows(db_dsn, ids[0])) if n == 2)
     with Store.connect(db_dsn, "auto", cache_size=0, timeout=5.0) as handle:  # what `crest lookup` says
@@ -188,7 +198,14 @@ def test_a_judge_corpus_chooses_on_the_whole_build(db_dsn: str, tmp_path: Path, 
     phrases = _phrases(rng)
     tokens, offsets = _corpus(rng, phrases, 0.5, 300)
     judge = _corpus(np.random.default_rng(7), phrases, judge_share, 40)
-    base = {"top_t": 400, "max_n": 4, "continuation_length": 4, "max_matches": 20, "tree_size": 16, "seed": 0}
+    base: dict[str, Any] = {
+        "top_t": 400,
+        "max_n": 4,
+        "continuation_length": 4,
+        "max_matches": 20,
+        "tree_size": 16,
+        "seed": 0,
+    }
     got = build_store(
         tokens,
         offsets,
