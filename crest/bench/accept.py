@@ -38,6 +38,7 @@ from crest.bench.datastores import (
     build_store,
     digest,
     hold_out,
+    judge_key,
     mt_bench_path,
     sharegpt_path,
     size_tag,
@@ -124,6 +125,7 @@ def run_accept(
         for t in tops:
             options = IngestOptions(max_n=opts.max_n, top_t=t, seed=opts.seed, suffix_rule=opts.suffix_rule)
             rule = "" if opts.suffix_rule == "lookup" else f"_{opts.suffix_rule}"
+            rule += f"_j{judge_key(opts.suffix_judge)}" if opts.suffix_judge else ""
             crest.append(
                 build_store(
                     corpus,
@@ -133,6 +135,7 @@ def run_accept(
                     options=options,
                     out=out,
                     rebuild=opts.rebuild,
+                    judge=opts.suffix_judge,
                 )
             )
             counted = crest[-1]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from crest.config import DEFAULT_DENSE_PRECISION, KEEP_RULES
+from crest.config import DEFAULT_DENSE_PRECISION, KEEP_RULES, IngestOptions
 from crest.db.dense import PRECISIONS
 from crest.drafters.registry import names
 from crest.errors import ConfigError
+from crest.ingest.pipeline import check_judge
 
 SETTINGS = ("chat", "code")
 REST_PERCENTS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 100.0)
@@ -36,6 +37,7 @@ class AcceptOptions:
     top_t: tuple[int, ...] = ()  # empty: chosen to give sizes in REST's range
     keep: tuple[str, ...] = ("count",)  # savings, marginal: also a store per top-t at the count store's bytes
     suffix_rule: str = "lookup"  # the tree each row holds (crest.ingest.suffixes); backoff stores are named _backoff
+    suffix_judge: tuple[str, ...] = ()  # auto: the documents it chooses on (else a held-out slice)
     max_n: int = 4
     limit: int | None = None
     max_new_tokens: int = 128
@@ -65,6 +67,7 @@ class AcceptOptions:
             raise ConfigError(f"unknown setting {self.setting!r}: use chat or code")
         if self.setting is None and not (self.corpus and self.prompts):
             raise ConfigError("give --setting chat|code, or --corpus and --prompts")
+        check_judge(IngestOptions(suffix_rule=self.suffix_rule), judged=bool(self.suffix_judge))
         known = names("bench")
         bad = [d for d in self.drafters if d not in known]
         if bad or not self.drafters:

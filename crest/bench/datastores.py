@@ -199,6 +199,16 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def judge_key(judge: Sequence[str]) -> str:
+    """Return a short key of `--suffix-judge` documents: their paths, sizes and modification times."""
+    seen = []
+    for spec in judge:
+        path = Path(spec)
+        stat = path.stat() if path.exists() else None
+        seen.append(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else spec)
+    return hashlib.sha1("\n".join(seen).encode()).hexdigest()[:8]
+
+
 def build_store(
     corpus: Corpus,
     *,
@@ -209,8 +219,9 @@ def build_store(
     out: Path,
     rebuild: bool,
     dense: DenseOptions | None = None,
+    judge: Sequence[str] = (),
 ) -> Variant:
-    """Ingest (or reuse) the crest store `name` with `options` (and a dense part); return it with its bytes."""
+    """Ingest (or reuse) the crest store `name` with `options` (and a dense part, and auto's `judge` documents)."""
     from crest.decoding.tokenizer import load_tokenizer
     from crest.ingest.pipeline import ingest
 
@@ -225,12 +236,21 @@ def build_store(
         params.pop("suffix_rule")  # and before --suffix-rule existed, each row's own tree
     if dense is not None:
         params["dense"] = asdict(dense)
+    if judge:
+        params["suffix_judge"] = judge_key(judge)
     published = _published(dsn, name)
     recorded = manifest.get(name, {})
     reused = not rebuild and published is not None and recorded == {**params, "store_id": published["id"]}
     if not reused:
         summary = ingest(
-            corpus.inputs, store=name, tokenizer=tokenizer, dsn=dsn, options=options, fmt=corpus.fmt, dense=dense
+            corpus.inputs,
+            store=name,
+            tokenizer=tokenizer,
+            dsn=dsn,
+            options=options,
+            fmt=corpus.fmt,
+            dense=dense,
+            judge=judge,
         )
         manifest[name] = {**params, "store_id": summary.store_id}
         manifest_path.write_text(json.dumps(manifest, indent=1))

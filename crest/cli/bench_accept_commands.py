@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from crest.cli.options import Chat, Device, Dsn, Dtype, MaxDraftTokens, MaxNewTokens, Model, SuffixRule
+from crest.cli.options import Chat, Device, Dsn, Dtype, MaxDraftTokens, MaxNewTokens, Model, SuffixJudge, SuffixRule
 from crest.config import DEFAULT_DENSE_PRECISION
 
 
@@ -36,6 +36,7 @@ def bench_accept_cmd(
         ),
     ] = "count",
     suffix_rule: SuffixRule = "lookup",
+    suffix_judge: SuffixJudge = None,
     max_n: Annotated[int, typer.Option(help="crest stores' largest n.")] = 4,
     limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,
     max_new_tokens: MaxNewTokens = 128,
@@ -82,6 +83,7 @@ def bench_accept_cmd(
         top_t=_ints(top_t),
         keep=tuple(k.strip() for k in keep.split(",") if k.strip()),
         suffix_rule=suffix_rule,
+        suffix_judge=tuple(suffix_judge or ()),
         max_n=max_n,
         limit=limit,
         max_new_tokens=max_new_tokens,

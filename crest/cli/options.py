@@ -106,7 +106,19 @@ SuffixRule = Annotated[
         "the client's expected rule would draft from it: a lookup fetches one row and drafts what expected "
         "drafts on the whole store, in fewer bytes) or auto (prune, or every row read by its longest suffix, "
         "whichever drafts better on a held-out 1% of the corpus, at the positions whose surrounding text the "
-        "rest never holds verbatim; chosen by a trial build without that 1%, then built from the whole corpus).",
+        "rest never holds verbatim; chosen by a trial build without that 1%, then built from the whole corpus; "
+        "or on --suffix-judge).",
+    ),
+]
+SuffixJudge = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--suffix-judge",
+        envvar="CREST_BUILD_SUFFIX_JUDGE",
+        show_envvar=True,
+        help="With --suffix-rule auto: documents to choose the rule on (a file, directory or glob; its format "
+        "detected; repeatable) instead of a held-out 1% of the corpus: text like what the model will write, best "
+        "its own answers (python3 -m crest.bench.self_corpus). One build, no trial build.",
     ),
 ]
 Keep = Annotated[

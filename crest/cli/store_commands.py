@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, SuffixRule, Tokenizer
+from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, SuffixJudge, SuffixRule, Tokenizer
 from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_TOP_T
 
 
@@ -47,16 +47,7 @@ def ingest(
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
     keep: Keep = "count",
     suffix_rule: SuffixRule = "lookup",
-    suffix_judge: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--suffix-judge",
-            envvar="CREST_BUILD_SUFFIX_JUDGE",
-            help="With --suffix-rule auto: documents to choose the rule on (a file, directory or glob; its format "
-            "detected; repeatable) instead of a held-out 1% of the corpus: text like what the model will write, "
-            "best its own answers (python3 -m crest.bench.self_corpus). One build, no trial build.",
-        ),
-    ] = None,
+    suffix_judge: SuffixJudge = None,
     blob_format: Annotated[
         int,
         typer.Option(envvar="CREST_BLOB_FORMAT", help="Tree blobs: 2 compact, 1 larger but faster to decode."),
