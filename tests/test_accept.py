@@ -230,6 +230,17 @@ def test_hold_out_removes_whole_conversations(tmp_path: Path) -> None:
     assert not any(d in (f"question {i}", f"a{i}") for d in docs for i in held)
 
 
+def test_a_judge_key_follows_the_documents(tmp_path: Path) -> None:
+    from crest.bench.datastores import judge_key
+
+    judge = write_jsonl(tmp_path / "j.jsonl", [{"text": "one answer"}])
+    first = judge_key([str(judge)])
+    assert judge_key([str(judge)]) == first and len(first) == 8
+    write_jsonl(judge, [{"text": "one answer"}, {"text": "and another"}])
+    assert judge_key([str(judge)]) != first  # a changed judge names (and builds) another store
+    assert judge_key([str(judge), str(judge)]) != judge_key([str(judge)])
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(ConfigError):
         AcceptOptions().validate()
@@ -247,8 +258,9 @@ def test_options_are_checked() -> None:
         (["--setting", "code", "--sizes", "0"], "--sizes"),
         (["--setting", "code", "--timing", "sometimes"], "--timing"),
         ([], "--setting chat|code"),
+        (["--setting", "code", "--suffix-judge", "j.jsonl"], "give --suffix-rule auto"),
     ],
-    ids=["setting", "drafter", "sizes", "timing", "nothing"],
+    ids=["setting", "drafter", "sizes", "timing", "nothing", "judge-without-auto"],
 )
 def test_cli_rejects_bad_options(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], message: str
