@@ -199,7 +199,7 @@ def build_store(
     if options.suffix_rule == "auto":  # the rule: on a trial build without a held-out slice, or on `judge`
         t0 = time.perf_counter()
         if judge is None:
-            trial = choose_at_ingest(
+            figures = choose_at_ingest(
                 tokens,
                 offsets,
                 vocab_size=vocabulary.size,
@@ -208,7 +208,7 @@ def build_store(
                 reporter=rep,
                 min_count=min_count,
             )
-            choose = made_before(trial)
+            choose = made_before(figures)
         else:
             novel = novel_positions((tokens, offsets), judge, window=options.max_n, chunk_tokens=chunk_tokens)
         seconds["suffix_choice"] = time.perf_counter() - t0

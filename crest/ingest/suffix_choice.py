@@ -20,7 +20,7 @@ keeps every row. Either way a lookup reads one row, the longest stored suffix (t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,14 +32,12 @@ from crest_client.merge import match_path
 from crest.config import IngestOptions
 from crest.ingest.loader import Advance, Reporter, RowLoader
 from crest.ingest.ngrams import count_ngrams
-from crest.ingest.suffixes import prune_mask
+from crest.ingest.suffixes import Choose, Row, prune_mask
 
 HELD_FRACTION = 0.01  # of the corpus's tokens held out of an `auto` build to choose its rule on
 HELD_TOKENS = 200_000  # at most
 POSITIONS = 4000  # held-out positions the rules are compared at, at most
 _PRIME = np.uint64(1099511628211)  # of the polynomial window hash (FNV's 64-bit prime)
-
-Row = tuple[bytes, int, int, bytes]  # (key, n, count, tree) as stored
 
 
 @dataclass
@@ -69,17 +67,16 @@ def choose_at_ingest(
     chunk_tokens: int,
     reporter: Reporter,
     min_count: int = 1,
-) -> Choice:
-    """Return the rule a trial build of the corpus without its held-out slice drafts that slice better with.
+) -> dict[str, Any]:
+    """Return the figures of the rule a trial build of the corpus without its held-out slice drafts it better with.
 
     The trial's rows stay in memory (as many as the build itself reads back to resolve them); the store is then
     built from the whole corpus with the rule chosen, so no document is left out of it.
     """
     # tokens: [N] int32, offsets: [D + 1] int64
-    b_tokens, b_offsets, h_tokens, h_offsets = split_held_out(tokens, offsets, seed=options.seed)
-    novel = novel_positions(
-        (b_tokens, b_offsets), (h_tokens, h_offsets), window=options.max_n, chunk_tokens=chunk_tokens
-    )
+    b_tokens, b_offsets, *held = split_held_out(tokens, offsets, seed=options.seed)
+    text = (held[0], held[1])
+    novel = novel_positions((b_tokens, b_offsets), text, window=options.max_n, chunk_tokens=chunk_tokens)
     trial = _Trial(reporter)
     counts = count_ngrams(
         b_tokens,
@@ -93,17 +90,8 @@ def choose_at_ingest(
     loader = RowLoader(trial, vocab_size, options, chunk_tokens=chunk_tokens, min_count=min_count)
     loader.load(b_tokens, b_offsets, counts, trial)
     rows = sorted(trial.rows, key=lambda row: row[1])  # by n, as the build's table is read
-    return choose_rule(
-        rows,
-        prune_mask(rows, width=loader.width, max_matches=options.max_matches),
-        (h_tokens, h_offsets),
-        width=loader.width,
-        max_n=options.max_n,
-        length=options.continuation_length,
-        table=loader.table if options.blob_format == 2 else None,
-        seed=options.seed,
-        novel=novel,
-    )
+    choose = judge_by(text, novel, options=options, table=loader.table, width=loader.width, judged_on="held-out")
+    return choose(rows, prune_mask(rows, width=loader.width, max_matches=options.max_matches))
 
 
 class _Trial:
@@ -209,9 +197,8 @@ def choose_rule(
     )
 
 
-def made_before(choice: Choice) -> Callable[[Sequence[Row], Sequence[bool]], dict[str, Any]]:
+def made_before(figures: dict[str, Any]) -> Choose:
     """Return a choice made before the build (`choose_at_ingest`) as `resolve_build` asks for it."""
-    figures = choice.figures()
     return lambda rows, keep: figures
 
 
@@ -222,8 +209,9 @@ def judge_by(
     options: IngestOptions,
     table: TokenTable,
     width: int,
-) -> Callable[[Sequence[Row], Sequence[bool]], dict[str, Any]]:
-    """Return auto's choice on a judge corpus (`--suffix-judge`): the rows and prune's mask -> the choice's figures."""
+    judged_on: str = "judge",
+) -> Choose:
+    """Return auto's choice on `text` (a judge corpus, or a held-out slice): rows and prune's mask -> its figures."""
 
     def choose(rows: Sequence[Row], keep: Sequence[bool]) -> dict[str, Any]:
         return choose_rule(
@@ -236,7 +224,7 @@ def judge_by(
             table=table if options.blob_format == 2 else None,
             seed=options.seed,
             novel=novel,
-            judged_on="judge",
+            judged_on=judged_on,
         ).figures()
 
     return choose
