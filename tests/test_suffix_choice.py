@@ -273,3 +273,25 @@ def test_the_cli_refuses_a_bad_judge_and_builds_nothing(
     with psycopg.connect(db_dsn) as conn:
         built = conn.execute("SELECT to_regclass('crest_stores') IS NOT NULL").fetchone() == (True,)
         assert not built or conn.execute("SELECT count(*) FROM crest_stores WHERE name = 's'").fetchone() == (0,)
+
+
+def test_the_ingest_summary_says_what_auto_chose(
+    db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokenizer = make_word_tokenizer(tmp_path / "tok", WORDS)
+    rng = np.random.default_rng(0)
+    tokens, offsets = _corpus(rng, _phrases(rng), 0.5, 60)
+    docs = [{"text": " ".join(f"w{t}" for t in tokens[offsets[d] : offsets[d + 1]])} for d in range(60)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    judge = write_jsonl(tmp_path / "j.jsonl", docs[:5])  # part of the corpus: no novel position
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    monkeypatch.setenv("COLUMNS", "400")
+    args = ["ingest", str(corpus), "--store", "s", "--tokenizer", str(tokenizer), "--top-t", "50", "-q"]
+    code, out, err = run(monkeypatch, capsys, *args, "--suffix-rule", "auto", "--suffix-judge", str(judge))
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert (
+        "suffix rule" in said and "auto chose " in said and "(none novel: every one judged) of --suffix-judge" in said
+    )
+    code, out, err = run(monkeypatch, capsys, *args)
+    assert code == 0 and "auto chose" not in out

@@ -98,6 +98,8 @@ def print_summary(summary: IngestSummary) -> None:
         f"index {_mb(summary.index_bytes)}; {summary.bytes_per_ngram:.0f} B per n-gram)",
     )
     head.add_row("peak memory", _mb(summary.peak_rss_bytes))
+    if summary.suffix_choice:
+        head.add_row("suffix rule", describe_choice(summary.suffix_choice))
     out.print(head)
     per_n = Table(title="n-grams per n")
     for column in ("n", "counted (unique)", "kept", "positions", "covered by kept"):
@@ -116,6 +118,16 @@ def print_summary(summary: IngestSummary) -> None:
         stages.add_row(stage, f"{seconds:.2f}", f"{summary.tokens / seconds:,.0f}" if seconds > 0 else "-")
     stages.add_row("total", f"{sum(summary.seconds.values()):.2f}", "")
     out.print(stages)
+
+
+def describe_choice(choice: dict[str, Any]) -> str:
+    """Return `--suffix-rule auto`'s choice in words: the rule, what it was judged on, both estimates."""
+    text = "a held-out 1% of the corpus" if choice.get("judged_on", "held-out") == "held-out" else "--suffix-judge"
+    where = "novel positions" if choice.get("novel") else "positions (none novel: every one judged)"
+    return (
+        f"auto chose {choice['rule']} on {choice['positions']:,} {where} of {text} "
+        f"(M estimates: prune {choice['m_prune']:.3f}, longest {choice['m_longest']:.3f})"
+    )
 
 
 def print_draft(found: TextLookup, *, as_json: bool = False) -> None:
