@@ -285,11 +285,10 @@ def test_the_ingest_summary_says_what_auto_chose(
     corpus = write_jsonl(tmp_path / "c.jsonl", docs)
     judge = write_jsonl(tmp_path / "j.jsonl", docs[:5])  # part of the corpus: no novel position
     monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
-    monkeypatch.setenv("COLUMNS", "400")
     args = ["ingest", str(corpus), "--store", "s", "--tokenizer", str(tokenizer), "--top-t", "50", "-q"]
     code, out, err = run(monkeypatch, capsys, *args, "--suffix-rule", "auto", "--suffix-judge", str(judge))
     assert code == 0, err
-    said = " ".join(out.split())
+    said = " ".join(out.translate({ord(c): " " for c in "│┃┌┐└┘├┤┬┴┼─━"}).split())  # the table's cells, unwrapped
     assert (
         "suffix rule" in said and "auto chose " in said and "(none novel: every one judged) of --suffix-judge" in said
     )
