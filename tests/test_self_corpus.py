@@ -37,6 +37,15 @@ def test_self_corpus_writes_prompt_and_response_per_document(loaded: Any, tmp_pa
         write_self_corpus(loaded, ["w1 " * 30], out, max_prompt_tokens=20)
 
 
+def test_answers_only_writes_the_responses_alone(loaded: Any, tmp_path: Path) -> None:
+    out = tmp_path / "answers.jsonl"
+    figures = write_self_corpus(loaded, PROMPTS, out, max_new_tokens=8, batch=3, answers_only=True)
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    responses = respond(loaded, [loaded.encode_prompt(p) for p in PROMPTS], max_new_tokens=8, batch=3)
+    want = [loaded.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+    assert figures["documents"] == len(PROMPTS) and sorted(texts) == sorted(want)
+
+
 def test_sharegpt_turns_are_first_human_turns(tmp_path: Path) -> None:
     records = [
         {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(9)

