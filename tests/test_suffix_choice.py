@@ -83,6 +83,23 @@ def test_novel_positions_are_those_whose_window_the_build_never_holds(chunk: int
     assert np.flatnonzero(novel).tolist() == [7 + 4, 7 + 5, 14 + 2]
 
 
+def test_a_large_judge_is_read_as_a_seeded_sample_of_whole_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+    from crest.ingest import suffix_choice
+
+    lengths = [30 + d % 11 for d in range(50)]
+    offsets = _offsets(lengths)
+    tokens = np.arange(int(offsets[-1]), dtype=np.int32)
+    assert suffix_choice.sample_judge(tokens, offsets, seed=0)[0] is tokens  # under the cap: all of it
+    monkeypatch.setattr(suffix_choice, "HELD_TOKENS", 200)
+    got, at = suffix_choice.sample_judge(tokens, offsets, seed=0)
+    docs = {tuple(tokens[offsets[d] : offsets[d + 1]].tolist()) for d in range(50)}
+    sampled = [tuple(got[at[d] : at[d + 1]].tolist()) for d in range(at.shape[0] - 1)]
+    assert set(sampled) <= docs and len(set(sampled)) == len(sampled)  # whole documents, each once
+    assert 200 <= int(at[-1]) < 200 + max(lengths)
+    assert suffix_choice.sample_judge(tokens, offsets, seed=0)[0].tolist() == got.tolist()
+    assert suffix_choice.sample_judge(tokens, offsets, seed=1)[0].tolist() != got.tolist()
+
+
 def test_novel_positions_without_windows_or_build() -> None:
     held = (np.array([1, 2, 3], dtype=np.int32), _offsets([3]))
     assert not novel_positions((np.zeros(0, np.int32), _offsets([])), held, window=2).any()  # no full window

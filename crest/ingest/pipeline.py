@@ -38,7 +38,7 @@ from crest.ingest.publishing import (
     prepared,
     publish_summary,
 )
-from crest.ingest.suffix_choice import choose_at_ingest, judge_by, made_before, novel_positions
+from crest.ingest.suffix_choice import choose_at_ingest, judge_by, made_before, novel_positions, sample_judge
 from crest.ingest.suffixes import Choose, resolve_build
 from crest.ingest.tokenizer import tokenize_corpus
 
@@ -210,6 +210,7 @@ def build_store(
             )
             choose = made_before(figures)
         else:
+            judge = sample_judge(*judge, seed=options.seed)
             novel = novel_positions((tokens, offsets), judge, window=options.max_n, chunk_tokens=chunk_tokens)
         seconds["suffix_choice"] = time.perf_counter() - t0
     else:

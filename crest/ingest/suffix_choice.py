@@ -122,16 +122,32 @@ def split_held_out(
     least one document always stays in the build, and a corpus of one document holds nothing out.
     """
     # tokens: [N] int32, offsets: [D + 1] int64
+    goal = min(HELD_TOKENS, int(HELD_FRACTION * int(offsets[-1]))) if offsets.shape[0] > 2 else 0
+    held = _pick(offsets, goal, seed=seed, leave=1)
+    return (*_take(tokens, offsets, ~held), *_take(tokens, offsets, held))
+
+
+def sample_judge(tokens: np.ndarray, offsets: np.ndarray, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return the judge text `auto` reads: all of it, or seeded whole documents until `HELD_TOKENS` tokens are.
+
+    Only `POSITIONS` positions are judged, so a larger judge adds nothing but the memory its windows take.
+    """
+    if int(offsets[-1]) <= HELD_TOKENS:
+        return tokens, offsets
+    return _take(tokens, offsets, _pick(offsets, HELD_TOKENS, seed=seed, leave=0))
+
+
+def _pick(offsets: np.ndarray, goal: int, *, seed: int, leave: int) -> np.ndarray:
+    """Return [D] bools: documents taken in a seeded order until `goal` tokens are, `leave` of them at least left."""
     docs = offsets.shape[0] - 1
     lengths = np.diff(offsets)
-    goal = min(HELD_TOKENS, int(HELD_FRACTION * int(offsets[-1]))) if docs > 1 else 0
-    held = np.zeros(docs, dtype=bool)
-    taken = 0
+    picked = np.zeros(docs, dtype=bool)
+    taken = count = 0
     for d in np.random.default_rng(seed).permutation(docs).tolist():
-        if taken >= goal or held.sum() >= docs - 1:
+        if taken >= goal or count >= docs - leave:
             break
-        held[d], taken = True, taken + int(lengths[d])
-    return (*_take(tokens, offsets, ~held), *_take(tokens, offsets, held))
+        picked[d], taken, count = True, taken + int(lengths[d]), count + 1
+    return picked
 
 
 def _take(tokens: np.ndarray, offsets: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
