@@ -151,6 +151,23 @@ def _corpus(
     return np.concatenate([np.array(d, dtype=np.int32) for d in docs]), _offsets([len(d) for d in docs])
 
 
+def _options(seed: int, rule: str) -> IngestOptions:
+    return IngestOptions(
+        top_t=400, max_n=4, continuation_length=4, max_matches=20, tree_size=16, seed=seed, suffix_rule=rule
+    )
+
+
+def _assert_rows_of_the_rule(
+    db_dsn: str, vocabulary: Vocabulary, corpus: tuple[np.ndarray, np.ndarray], store: str, rule: str, *, seed: int
+) -> tuple[int, int]:
+    """Assert `store` holds the rows a build of the whole corpus with `rule` holds; return both version ids."""
+    same = "prune" if rule == "prune" else "lookup"  # `longest` keeps every row, as `lookup` builds them
+    build_store(*corpus, store="same", dsn=db_dsn, vocabulary=vocabulary, options=_options(seed, same))
+    ids = published(db_dsn, store)["static"], published(db_dsn, "same")["static"]
+    assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
+    return ids
+
+
 # repeated phrases: long n-grams are right, `longest` wins; Zipf noise alone: thin long trees lose to `expected`
 @pytest.mark.parametrize(("seed", "phrases_share", "want"), [(0, 0.5, "longest"), (1, 0.0, "prune")])
 def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
@@ -160,36 +177,11 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
     vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
     rng = np.random.default_rng(seed)
     tokens, offsets = _corpus(rng, _phrases(rng), phrases_share, 300)
-    base: dict[str, Any] = {
-        "top_t": 400,
-        "max_n": 4,
-        "continuation_length": 4,
-        "max_matches": 20,
-        "tree_size": 16,
-        "seed": seed,
-    }
-    got = build_store(
-        tokens,
-        offsets,
-        store="auto",
-        dsn=db_dsn,
-        vocabulary=vocabulary,
-        options=IngestOptions(**base, suffix_rule="auto"),
-    )
+    got = build_store(tokens, offsets, store="auto", dsn=db_dsn, vocabulary=vocabulary, options=_options(seed, "auto"))
     choice = got.suffix_choice
     assert choice is not None and choice["rule"] == want and choice["positions"] > 50 and choice["novel"], choice
     assert got.tokens == int(offsets[-1])  # the trial held a slice out; the store holds every document
-    same = "prune" if choice["rule"] == "prune" else "lookup"
-    build_store(
-        tokens,
-        offsets,
-        store="same",
-        dsn=db_dsn,
-        vocabulary=vocabulary,
-        options=IngestOptions(**base, suffix_rule=same),
-    )
-    ids = published(db_dsn, "auto")["static"], published(db_dsn, "same")["static"]
-    assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
+    ids = _assert_rows_of_the_rule(db_dsn, vocabulary, (tokens, offsets), "auto", choice["rule"], seed=seed)
     with psycopg.connect(db_dsn) as conn:
         row = conn.execute("SELECT params, figures FROM crest_stores WHERE id = %s", (ids[0],)).fetchone()
     assert row is not None
@@ -215,37 +207,13 @@ def test_a_judge_corpus_chooses_on_the_whole_build(db_dsn: str, tmp_path: Path, 
     phrases = _phrases(rng)
     tokens, offsets = _corpus(rng, phrases, 0.5, 300)
     judge = _corpus(np.random.default_rng(7), phrases, judge_share, 40)
-    base: dict[str, Any] = {
-        "top_t": 400,
-        "max_n": 4,
-        "continuation_length": 4,
-        "max_matches": 20,
-        "tree_size": 16,
-        "seed": 0,
-    }
     got = build_store(
-        tokens,
-        offsets,
-        store="judged",
-        dsn=db_dsn,
-        vocabulary=vocabulary,
-        options=IngestOptions(**base, suffix_rule="auto"),
-        judge=judge,
+        tokens, offsets, store="judged", dsn=db_dsn, vocabulary=vocabulary, options=_options(0, "auto"), judge=judge
     )
     choice = got.suffix_choice
     assert choice is not None and choice["judged_on"] == "judge" and choice["rule"] == want, choice
     assert choice["held_tokens"] == int(judge[1][-1]) and choice["novel"] and got.tokens == int(offsets[-1])
-    same = "prune" if want == "prune" else "lookup"
-    build_store(
-        tokens,
-        offsets,
-        store="same",
-        dsn=db_dsn,
-        vocabulary=vocabulary,
-        options=IngestOptions(**base, suffix_rule=same),
-    )
-    ids = published(db_dsn, "judged")["static"], published(db_dsn, "same")["static"]
-    assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
+    _assert_rows_of_the_rule(db_dsn, vocabulary, (tokens, offsets), "judged", want, seed=0)
 
 
 def test_a_judge_corpus_needs_auto(db_dsn: str, tmp_path: Path) -> None:
