@@ -519,6 +519,34 @@ def test_lookup_timeout_is_configurable(running: OwnServer) -> None:
     assert 0.4 < seconds < 0.5 + BOUND, f"a 0.5 s timeout gave up after {seconds:.2f} s"
 
 
+def test_polling_for_the_answer_ends_within_the_lookup_timeout(
+    running: OwnServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crest_client import _connections
+
+    monkeypatch.setattr(_connections, "has_idle_cpu", lambda: True)
+    hit = next(c for c in CONTEXTS if snapshot(running.dsn, "words")[tuple(c)] is not None)
+    with Store.connect(
+        running.dsn, "words", cache_size=0, timeout=2.0, spin=5.0, pool_size=1, refresh_interval=3600.0
+    ) as store:
+        assert store.draft(hit) is not None and store._conns.polled == 1  # its answer came while it polled
+        with psycopg.connect(running.dsn, autocommit=True) as conn:
+            pids = [
+                int(r[0])
+                for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = 'crest-client'")
+            ]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)  # no answer, and no statement_timeout from the server either
+        try:
+            draft, seconds = timed_draft(store, hit)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+    assert draft is None
+    # the poll (capped at the 2 s timeout) is part of the wait, then the unanswered cancel waits one more timeout
+    assert 3.9 < seconds < 4.0 + BOUND, f"a 2 s timeout with a longer poll gave up after {seconds:.2f} s"
+
+
 def test_generation_output_is_unchanged_when_the_store_goes_down_mid_generation(
     running: OwnServer, tmp_path: Path
 ) -> None:

@@ -110,6 +110,31 @@ def test_draft_many_matches_draft(store: Store) -> None:
     assert [d.tokens.tolist() if d else None for d in many] == [d.tokens.tolist() if d else None for d in one]
 
 
+@pytest.mark.parametrize("idle", [True, False], ids=["cpu-idle-polls", "cpu-busy-sleeps"])
+def test_busy_polling_for_the_answer_drafts_what_sleeping_does(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch, idle: bool
+) -> None:
+    from crest_client import _connections
+
+    publish(db_dsn, "demo", ROWS)
+    contexts = [[1, 2, 3, 4, 5], [8, 5], [3, 9, 9], [7, 4, 5], [5], [1, 2, 6]]
+    with Store.connect(db_dsn, "demo", cache_size=0, timeout=2.0, spin=0.0) as asleep:
+        want = [draft_key(d) for d in [*(asleep.draft(c) for c in contexts), *asleep.draft_many(contexts)]]
+    asked: list[bool] = []
+
+    def has_idle_cpu() -> bool:
+        asked.append(idle)
+        return idle
+
+    monkeypatch.setattr(_connections, "has_idle_cpu", has_idle_cpu)
+    with Store.connect(db_dsn, "demo", cache_size=0, timeout=2.0, spin=1.0) as polling:
+        got = [draft_key(d) for d in [*(polling.draft(c) for c in contexts), *polling.draft_many(contexts)]]
+        answered_polling = polling._conns.polled
+    assert got == want
+    assert len(asked) == polling.stats["queries"] > 0
+    assert answered_polling == (polling.stats["queries"] if idle else 0)
+
+
 LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}
 
 

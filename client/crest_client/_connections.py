@@ -6,14 +6,18 @@ connections: kept ones first, another from the pool while fewer than its size ar
 10-25 us), a failed one handed back so the pool replaces it. `run_prepared` runs a prepared statement on libpq
 directly (psycopg's cursor layer costs ~40 us) and waits for its result until the lookup timeout on the client's
 clock; past it the statement is cancelled and the connection kept (a server that is only slow), or closed when the
-server does not answer the cancel either (one that stopped answering). A private module with public names: `Store` is
-built on it.
+server does not answer the cancel either (one that stopped answering). While the machine has an idle CPU, a lookup
+first busy-polls for its answer for up to `spin` seconds (`SPIN`, 200 us): a client asleep in select wakes 20-40 us
+after its answer arrives on an idle virtual machine, about half a lookup's time. On a busy machine (load average
+at or above the CPU count, re-read once a second) it sleeps at once: there the poll would take CPU from the server.
+A private module with public names: `Store` is built on it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import select
 import threading
 import time
@@ -30,6 +34,8 @@ from crest_client.errors import ConnectionUnavailable
 from crest_client.lookup import check_result
 
 POOL_PREFIX = "crest-client-"  # the names of the SDK's pools, whose failures `Store` reports itself, once
+
+SPIN = 0.0002  # seconds a lookup busy-polls for its answer while a CPU is idle, before it sleeps in select
 
 
 def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_timeout: float) -> ConnectionPool:
@@ -71,9 +77,11 @@ class LookupTimeout(psycopg.OperationalError):
 class Connections:
     """Lends a pool's connections for lookups, each bounded by the lookup timeout."""
 
-    def __init__(self, pool: ConnectionPool, *, timeout: float) -> None:
+    def __init__(self, pool: ConnectionPool, *, timeout: float, spin: float = SPIN) -> None:
         self.pool = pool
         self.timeout = float(timeout)
+        self.spin = max(0.0, min(float(spin), self.timeout))
+        self.polled = 0  # answers that arrived while their lookup polled
         self._idle: list[psycopg.Connection[Any]] = []  # connections kept out of the pool for lookups
         self._out = 0  # connections taken from the pool: idle or in use
         self._kept = threading.Condition(threading.Lock())
@@ -158,6 +166,14 @@ class Connections:
         """
         pgconn = conn.pgconn
         deadline = time.monotonic() + self.timeout
+        if self.spin and has_idle_cpu() and _SPINNING.acquire(blocking=False):
+            try:  # spin <= timeout: the poll ends before the deadline
+                end = time.monotonic() + self.spin
+                while not pgconn.flush() and pgconn.is_busy() and time.monotonic() < end:
+                    pgconn.consume_input()
+                self.polled += not pgconn.is_busy()
+            finally:
+                _SPINNING.release()
         result = None
         while True:
             while True:
@@ -217,6 +233,24 @@ class Connections:
         for conn in idle:
             self.pool.putconn(conn)
         self.pool.close()
+
+
+def has_idle_cpu() -> bool:
+    """Return whether this machine's load average leaves a CPU idle (re-read at most once a second)."""
+    global _load_checked, _idle
+    now = time.monotonic()
+    if now - _load_checked > 1.0:
+        _load_checked = now
+        try:
+            _idle = os.getloadavg()[0] < _CPUS
+        except OSError:  # no load average on this platform: never busy-poll
+            _idle = False
+    return _idle
+
+
+_SPINNING = threading.Lock()  # one thread of a process polls at a time: more would take turns holding the GIL
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_load_checked, _idle = -2.0, False
 
 
 class OwnPoolRecords(logging.Filter):

@@ -29,7 +29,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from crest_client._batch_lookup import fetch_drafts
 from crest_client._cache import TierCaches
-from crest_client._connections import Connections, LookupTimeout, open_pool
+from crest_client._connections import SPIN, Connections, LookupTimeout, open_pool
 from crest_client.choice import resolve_rule
 from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
@@ -42,7 +42,7 @@ from crest_client.tiers import TIERS, PartScales, merge_parts
 log = logging.getLogger(__name__)
 
 
-__all__ = ["Store", "StoreInfo"]
+__all__ = ["SPIN", "Store", "StoreInfo"]
 
 
 class Store:
@@ -61,11 +61,12 @@ class Store:
         follow_live: bool = True,
         rule: str | None = None,
         write_dsn: str | None = None,
+        spin: float = SPIN,
     ) -> None:
         self.rule = resolve_rule(rule)  # which stored suffix drafts, unless decided at ingest: crest_client.choice
         self._write_dsn = write_dsn  # where `learn` appends (the primary); None: CREST_DATABASE_URL or embedded
         self._learner: Any = None
-        self._conns = Connections(pool, timeout=timeout)
+        self._conns = Connections(pool, timeout=timeout, spin=spin)
         self.info = info
         self.live = live if follow_live else None  # the published live tier (learned from served requests)
         self._follow_live = follow_live
@@ -96,13 +97,15 @@ class Store:
         live: bool = True,
         rule: str | None = None,
         write_dsn: str | None = None,
+        spin: float = SPIN,
     ) -> Store:
         """Connect to the published store `name` (DSN: argument, else CREST_READ_DATABASE_URL, else as writers).
 
         With `live` (the default) the handle also follows the store's live tier, when one is published:
         `draft_parts` and `draft_many_parts` return its candidates beside the static ones. The DSN may name
         several servers (`host=a,b port=p,q`, `target_session_attrs`, `load_balance_hosts`): a connection that
-        breaks is replaced by one to the first server that answers (`crest_client.hosts`).
+        breaks is replaced by one to the first server that answers (`crest_client.hosts`). A lookup busy-polls
+        for its answer for up to `spin` seconds while the machine has an idle CPU (0: it always sleeps).
         """
         check_store_name(name)
         given = dsn  # also where `learn` writes, unless write_dsn names the primary
@@ -131,6 +134,7 @@ class Store:
             follow_live=live,
             rule=rule,
             write_dsn=write_dsn or given,
+            spin=spin,
         )
 
     def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes | None]:
