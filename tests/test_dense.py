@@ -173,7 +173,7 @@ def test_dense_alone_drafts_its_model_outputs(db_dsn: str, dense_store: Any, loa
     try:
         result = gen.generate(ids, drafter=drafter, max_new_tokens=30)
         assert result.mean_accepted_length > 2.0  # the corpus holds this very continuation
-        parts = drafter.drafted_parts(drafter.draft([0], 4), context_length=1)
+        parts = drafter.drafted_parts(drafter.draft([0], 4), context_length=1)  # type: ignore[attr-defined]
         assert parts == {}  # no hidden state for that context: no draft, no part
     finally:
         index.close()
@@ -267,7 +267,12 @@ def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or ()], daemon=True)
+
+    def read() -> None:
+        for line in proc.stderr or ():
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     said: list[str] = []
     deadline = time.monotonic() + 120
@@ -281,7 +286,8 @@ def test_killed_dense_build_leaves_the_previous_version_and_is_cleaned_up(
     assert "crest-fault-pause dense\n" in said, "".join(said)[-2000:]
     _wait_unlocked(db_dsn)
     with psycopg.connect(db_dsn, autocommit=True) as conn:
-        states = dict(conn.execute("SELECT id, state FROM crest_stores WHERE name = 'words'").fetchall())
+        found = conn.execute("SELECT id, state FROM crest_stores WHERE name = 'words'").fetchall()
+        states: dict[int, str] = dict(found)
         killed = max(states)
         assert states == {dense_store.store_id: "published", killed: "building"}
         assert conn.execute("SELECT to_regclass(%s)", (f"crest_dense_s{killed}",)).fetchone() != (None,)

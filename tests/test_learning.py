@@ -145,7 +145,8 @@ def test_append_learned_writes_figures_and_any_part_and_refuses_bad_ones(db_dsn:
     with psycopg.connect(db_dsn) as conn:
         rows = conn.execute("SELECT steps, accepted_tokens, accepted_parts FROM crest_learned ORDER BY id").fetchall()
     assert rows == [(3, 4, {"live": 4, "dense": 2}), (0, 0, {})]  # a part no migration knows; zeros left out
-    for bad in ({"accepted_Live": 1}, {"live": 1}, {"accepted_live": -1}, {"accepted_live": "x"}):
+    bads: list[dict[str, Any]] = [{"accepted_Live": 1}, {"live": 1}, {"accepted_live": -1}, {"accepted_live": "x"}]
+    for bad in bads:
         with pytest.raises(ConfigError, match="learned figures"):
             append_learned(db_dsn, "t", [[7], [8]], stats=[{"steps": 1}, bad])
     assert learned_count(db_dsn, "t") == 0

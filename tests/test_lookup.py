@@ -7,6 +7,7 @@ suffix's big-endian ids, kept when the filter (queried through numpy's `hash_key
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 from crest_client.keyfilter import KeyFilter, hash_keys
@@ -38,7 +39,7 @@ def _reference_keys(info: _Info, tail: list[int]) -> list[bytes]:
 
 def _store_keys(info: _Info, tail: list[int]) -> list[bytes]:
     holder = Store.__new__(Store)
-    holder.info = info  # type: ignore[assignment]
+    holder.info = cast(Any, info)  # a stand-in with the fields the keys read
     return holder.candidate_keys(tail)
 
 

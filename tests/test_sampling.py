@@ -229,7 +229,9 @@ def test_batched_sampled_rows_with_store_and_prompt_drafts_draw_what_they_draw_a
     model, _, _, _ = sampling_setup()
     flat = CostModel([1, 64], [1.0, 1.0])  # drafting always pays: whole trees, whatever the batch
     prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4], [2, 3], [5, 1, 0, 2, 3, 3], [3, 1, 2, 3, 1]]
-    rows = [(p, {"temperature": 0.9, "seed": 40 + i} if i % 2 == 0 else {}) for i, p in enumerate(prompts)]
+    rows: list[tuple[list[int], dict[str, Any]]] = [
+        (p, {"temperature": 0.9, "seed": 40 + i} if i % 2 == 0 else {}) for i, p in enumerate(prompts)
+    ]
     opened = [store_and_prompt_drafter(db_dsn) for _ in rows]
     try:
         sched = Scheduler(model, IdTokenizer(), max_batch=4, cost=flat, max_draft_tokens=7)
