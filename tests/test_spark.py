@@ -30,7 +30,8 @@ from crest.ingest.spark_tasks import (
     split_by_bounds,
 )
 from crest.ingest.trees import position_hash
-from tests.fix_corpus import CONVERSATIONS, write_jsonl, write_sharegpt
+from tests.fix_corpus import CONVERSATIONS, make_word_tokenizer, write_jsonl, write_sharegpt
+from tests.fix_judged import CHOICE_WORDS, choice_options, word_corpus, word_phrases, write_words
 from tests.fix_require import require, require_module
 
 require_module("spark", "pyspark", "the spark engine needs pyspark: pip install 'crest[spark]'")
@@ -122,6 +123,69 @@ def test_same_rows_as_in_process(
         assert (got.blob_bytes, got.avg_tree_nodes) == (want.blob_bytes, want.avg_tree_nodes)
     if options.suffix_rule == "prune":  # the longer n-grams lost rows: the comparison covers pruning
         assert all(want.kept[n] < want.counted[n] and want.kept[n] < (want.top_t or 0) for n in (2, 3, 4))
+
+
+# the judge decides as in process (tests/test_suffix_choice.py): Zipf noise follows `expected`, so prune; the
+# corpus's phrases in new orders follow the long n-grams' thin trees, so every row is kept
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("judge_share", "want"), [(0.0, "prune"), (1.0, "longest")], ids=["noise-judge", "phrase-judge"]
+)
+def test_auto_on_a_judge_chooses_and_builds_as_in_process(
+    db_dsn: str, spark: Any, tmp_path: Path, judge_share: float, want: str
+) -> None:
+    tokenizer = str(make_word_tokenizer(tmp_path / "tok", CHOICE_WORDS))
+    rng = np.random.default_rng(0)
+    phrases = word_phrases(rng)
+    corpus = [str(write_words(tmp_path / "corpus.jsonl", *word_corpus(rng, phrases, 0.5, 300)))]
+    judge = [
+        str(write_words(tmp_path / "judge.jsonl", *word_corpus(np.random.default_rng(7), phrases, judge_share, 40)))
+    ]
+    options = choice_options(0, "auto")
+    local = ingest(corpus, store="local", tokenizer=tokenizer, dsn=db_dsn, options=options, judge=judge)
+    assert local.suffix_choice is not None and local.suffix_choice["rule"] == want and local.suffix_choice["novel"]
+    expected = rows_of(db_dsn, local.store_id)
+    for partitions in (1, 3):
+        got = ingest_spark(
+            corpus,
+            store=f"spark{partitions}",
+            tokenizer=tokenizer,
+            dsn=db_dsn,
+            options=options,
+            spark=spark,
+            partitions=partitions,
+            judge=judge,
+        )
+        assert got.suffix_choice == local.suffix_choice, f"{partitions} partition(s)"
+        assert rows_of(db_dsn, got.store_id) == expected, f"{partitions} partition(s)"
+        assert (got.kept, got.blob_bytes) == (local.kept, local.blob_bytes)
+        with psycopg.connect(db_dsn) as conn:
+            row = conn.execute("SELECT figures FROM crest_stores WHERE id = %s", (got.store_id,)).fetchone()
+        assert row is not None and row[0]["suffix_choice"] == local.suffix_choice
+
+
+def test_auto_without_a_judge_is_refused_before_any_work(db_dsn: str, tmp_path: Path) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "a b c"}])
+    with pytest.raises(ConfigError, match="--engine spark chooses --suffix-rule auto on --suffix-judge only"):
+        ingest_spark(
+            [str(corpus)],
+            store="s",
+            tokenizer="no-such-tokenizer",
+            dsn=db_dsn,
+            options=IngestOptions(suffix_rule="auto"),
+        )
+    with pytest.raises(ConfigError, match="--suffix-judge is the text --suffix-rule auto chooses its rule on"):
+        ingest_spark(
+            [str(corpus)],
+            store="s",
+            tokenizer="no-such-tokenizer",
+            dsn=db_dsn,
+            options=IngestOptions(),
+            judge=[str(corpus)],
+        )
+    with psycopg.connect(db_dsn) as conn:
+        built = conn.execute("SELECT to_regclass('crest_stores') IS NOT NULL").fetchone() == (True,)
+        assert not built or conn.execute("SELECT count(*) FROM crest_stores").fetchone() == (0,)
 
 
 @pytest.mark.slow

@@ -21,18 +21,13 @@ from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, novel_positio
 from crest.ingest.suffixes import prune_mask
 from tests.fix_cli import run
 from tests.fix_corpus import make_word_tokenizer, write_jsonl
+from tests.fix_judged import CHOICE_WORDS, choice_options, word_corpus, word_offsets, word_phrases
 from tests.fix_learning import published, version_rows
-
-WORDS = [f"w{i}" for i in range(40)]
-
-
-def _offsets(lengths: list[int]) -> np.ndarray:
-    return np.r_[0, np.cumsum(lengths)].astype(np.int64)
 
 
 def test_split_holds_out_whole_documents_seeded() -> None:
     lengths = [100 + d % 7 for d in range(300)]
-    offsets = _offsets(lengths)
+    offsets = word_offsets(lengths)
     tokens = np.arange(int(offsets[-1]), dtype=np.int32)  # token i at position i: documents are recognisable
     bt, bo, ht, ho = split_held_out(tokens, offsets, seed=3)
     docs = [tuple(tokens[offsets[d] : offsets[d + 1]].tolist()) for d in range(300)]
@@ -47,7 +42,7 @@ def test_split_holds_out_whole_documents_seeded() -> None:
         ho.tolist(),
     ]
     assert split_held_out(tokens, offsets, seed=4)[2].tolist() != ht.tolist()
-    one = split_held_out(tokens[:100], _offsets([100]), seed=3)
+    one = split_held_out(tokens[:100], word_offsets([100]), seed=3)
     assert one[0].tolist() == tokens[:100].tolist() and one[3].tolist() == [0]  # one document: nothing held out
 
 
@@ -63,7 +58,7 @@ def test_the_rule_whose_tree_the_held_out_text_follows_is_chosen(follows: int, r
     rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
     keep = prune_mask(rows, width=2, max_matches=5000)
     assert keep == [True, False]
-    held = (np.array([2, 1, follows], dtype=np.int32), _offsets([3]))
+    held = (np.array([2, 1, follows], dtype=np.int32), word_offsets([3]))
     choice = choose_rule(rows, keep, held, width=2, max_n=4, length=3, table=None, seed=0)
     assert choice.rule == rule and choice.positions == 2  # after "2" (nothing stored) and after "2 1"
     assert (choice.m_longest, choice.m_prune) == ((1.5, 1.0) if rule == "longest" else (1.0, 1.5))
@@ -71,13 +66,13 @@ def test_the_rule_whose_tree_the_held_out_text_follows_is_chosen(follows: int, r
 
 @pytest.mark.parametrize("chunk", [1, 3, 1 << 20], ids=["chunk-1", "chunk-3", "one-chunk"])
 def test_novel_positions_are_those_whose_window_the_build_never_holds(chunk: int) -> None:
-    build = (np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2], dtype=np.int32), _offsets([9, 3]))
+    build = (np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2], dtype=np.int32), word_offsets([9, 3]))
     held_docs = [
         [1, 2, 3, 4, 5, 6, 7],  # every 4-token window is a build window: nothing novel
         [1, 2, 3, 4, 5, 0, 7],  # the windows through the 0 are new
         [8, 9, 9, 1],  # spans the end of a build document and the start of the next: not a build window
     ]
-    held = (np.concatenate([np.array(d, dtype=np.int32) for d in held_docs]), _offsets([len(d) for d in held_docs]))
+    held = (np.concatenate([np.array(d, dtype=np.int32) for d in held_docs]), word_offsets([len(d) for d in held_docs]))
     novel = novel_positions(build, held, window=2, chunk_tokens=chunk)
     # [p - 2, p + 2) inside the document: p in 2..len - 2 of each; the 0 sits at 5 in document 2
     assert np.flatnonzero(novel).tolist() == [7 + 4, 7 + 5, 14 + 2]
@@ -87,7 +82,7 @@ def test_a_large_judge_is_read_as_a_seeded_sample_of_whole_documents(monkeypatch
     from crest.ingest import suffix_choice
 
     lengths = [30 + d % 11 for d in range(50)]
-    offsets = _offsets(lengths)
+    offsets = word_offsets(lengths)
     tokens = np.arange(int(offsets[-1]), dtype=np.int32)
     assert suffix_choice.sample_judge(tokens, offsets, seed=0)[0] is tokens  # under the cap: all of it
     monkeypatch.setattr(suffix_choice, "HELD_TOKENS", 200)
@@ -101,8 +96,8 @@ def test_a_large_judge_is_read_as_a_seeded_sample_of_whole_documents(monkeypatch
 
 
 def test_novel_positions_without_windows_or_build() -> None:
-    held = (np.array([1, 2, 3], dtype=np.int32), _offsets([3]))
-    assert not novel_positions((np.zeros(0, np.int32), _offsets([])), held, window=2).any()  # no full window
+    held = (np.array([1, 2, 3], dtype=np.int32), word_offsets([3]))
+    assert not novel_positions((np.zeros(0, np.int32), word_offsets([])), held, window=2).any()  # no full window
     novel = novel_positions((np.zeros(0, np.int32), np.zeros(1, np.int64)), held, window=1)
     assert novel.tolist() == [False, True, True]  # an empty build holds no window
 
@@ -113,8 +108,8 @@ def test_only_novel_positions_are_judged() -> None:
     rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
     keep = prune_mask(rows, width=2, max_matches=5000)
     copies = [2, 1, 11] * 4
-    held = (np.array(copies + [2, 1, 10, 3], dtype=np.int32), _offsets([len(copies), 4]))
-    build = (np.array(copies * 3, dtype=np.int32), _offsets([3 * len(copies)]))
+    held = (np.array(copies + [2, 1, 10, 3], dtype=np.int32), word_offsets([len(copies), 4]))
+    build = (np.array(copies * 3, dtype=np.int32), word_offsets([3 * len(copies)]))
     novel = novel_positions(build, held, window=1)
     assert np.flatnonzero(novel).tolist() == [len(copies) + 2, len(copies) + 3]  # [1, 10] and [10, 3]
     kw: dict[str, Any] = {"width": 2, "max_n": 4, "length": 3, "table": None, "seed": 0}
@@ -127,34 +122,9 @@ def test_only_novel_positions_are_judged() -> None:
 
 def test_a_tie_keeps_prune_the_smaller() -> None:
     rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
-    held = (np.array([3, 3, 3], dtype=np.int32), _offsets([3]))  # no stored suffix anywhere
+    held = (np.array([3, 3, 3], dtype=np.int32), word_offsets([3]))  # no stored suffix anywhere
     choice = choose_rule(rows, [True, False], held, width=2, max_n=4, length=3, table=None, seed=0)
     assert choice.rule == "prune" and choice.m_prune == choice.m_longest == 1.0
-
-
-def _phrases(rng: np.random.Generator) -> list[list[int]]:
-    return [rng.integers(2, 14, size=int(rng.integers(2, 6))).tolist() for _ in range(8)]
-
-
-def _corpus(
-    rng: np.random.Generator, phrases: list[list[int]], phrases_share: float, documents: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Documents of 60 words or so: the phrases (each a few words) with `phrases_share`, else Zipf noise words."""
-    docs = []
-    for _ in range(documents):
-        words: list[int] = []
-        while len(words) < 60:
-            words += (
-                phrases[int(rng.integers(8))] if rng.random() < phrases_share else [2 + min(30, int(rng.zipf(1.4)))]
-            )
-        docs.append(words)
-    return np.concatenate([np.array(d, dtype=np.int32) for d in docs]), _offsets([len(d) for d in docs])
-
-
-def _options(seed: int, rule: str) -> IngestOptions:
-    return IngestOptions(
-        top_t=400, max_n=4, continuation_length=4, max_matches=20, tree_size=16, seed=seed, suffix_rule=rule
-    )
 
 
 def _assert_rows_of_the_rule(
@@ -162,7 +132,7 @@ def _assert_rows_of_the_rule(
 ) -> tuple[int, int]:
     """Assert `store` holds the rows a build of the whole corpus with `rule` holds; return both version ids."""
     same = "prune" if rule == "prune" else "lookup"  # `longest` keeps every row, as `lookup` builds them
-    build_store(*corpus, store="same", dsn=db_dsn, vocabulary=vocabulary, options=_options(seed, same))
+    build_store(*corpus, store="same", dsn=db_dsn, vocabulary=vocabulary, options=choice_options(seed, same))
     ids = published(db_dsn, store)["static"], published(db_dsn, "same")["static"]
     assert version_rows(db_dsn, ids[0]) == version_rows(db_dsn, ids[1])
     return ids
@@ -173,11 +143,13 @@ def _assert_rows_of_the_rule(
 def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
     db_dsn: str, tmp_path: Path, seed: int, phrases_share: float, want: str
 ) -> None:
-    spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
+    spec = str(make_word_tokenizer(tmp_path / "tok", CHOICE_WORDS))
     vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
     rng = np.random.default_rng(seed)
-    tokens, offsets = _corpus(rng, _phrases(rng), phrases_share, 300)
-    got = build_store(tokens, offsets, store="auto", dsn=db_dsn, vocabulary=vocabulary, options=_options(seed, "auto"))
+    tokens, offsets = word_corpus(rng, word_phrases(rng), phrases_share, 300)
+    got = build_store(
+        tokens, offsets, store="auto", dsn=db_dsn, vocabulary=vocabulary, options=choice_options(seed, "auto")
+    )
     choice = got.suffix_choice
     assert choice is not None and choice["rule"] == want and choice["positions"] > 50 and choice["novel"], choice
     assert got.tokens == int(offsets[-1])  # the trial held a slice out; the store holds every document
@@ -201,14 +173,20 @@ def test_auto_publishes_the_chosen_rules_store_of_the_build_documents(
     ("judge_share", "want"), [(0.0, "prune"), (1.0, "longest")], ids=["noise-judge", "phrase-judge"]
 )
 def test_a_judge_corpus_chooses_on_the_whole_build(db_dsn: str, tmp_path: Path, judge_share: float, want: str) -> None:
-    spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
+    spec = str(make_word_tokenizer(tmp_path / "tok", CHOICE_WORDS))
     vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
     rng = np.random.default_rng(0)
-    phrases = _phrases(rng)
-    tokens, offsets = _corpus(rng, phrases, 0.5, 300)
-    judge = _corpus(np.random.default_rng(7), phrases, judge_share, 40)
+    phrases = word_phrases(rng)
+    tokens, offsets = word_corpus(rng, phrases, 0.5, 300)
+    judge = word_corpus(np.random.default_rng(7), phrases, judge_share, 40)
     got = build_store(
-        tokens, offsets, store="judged", dsn=db_dsn, vocabulary=vocabulary, options=_options(0, "auto"), judge=judge
+        tokens,
+        offsets,
+        store="judged",
+        dsn=db_dsn,
+        vocabulary=vocabulary,
+        options=choice_options(0, "auto"),
+        judge=judge,
     )
     choice = got.suffix_choice
     assert choice is not None and choice["judged_on"] == "judge" and choice["rule"] == want, choice
@@ -217,8 +195,8 @@ def test_a_judge_corpus_chooses_on_the_whole_build(db_dsn: str, tmp_path: Path, 
 
 
 def test_a_judge_corpus_needs_auto(db_dsn: str, tmp_path: Path) -> None:
-    spec = str(make_word_tokenizer(tmp_path / "tok", WORDS))
-    tokens, offsets = _corpus(np.random.default_rng(0), _phrases(np.random.default_rng(0)), 0.5, 20)
+    spec = str(make_word_tokenizer(tmp_path / "tok", CHOICE_WORDS))
+    tokens, offsets = word_corpus(np.random.default_rng(0), word_phrases(np.random.default_rng(0)), 0.5, 20)
     with pytest.raises(ConfigError, match="give --suffix-rule auto"):
         build_store(
             tokens,
@@ -247,7 +225,7 @@ def test_the_cli_refuses_a_bad_judge_and_builds_nothing(
     extra: list[str],
     said: str,
 ) -> None:
-    tokenizer = make_word_tokenizer(tmp_path / "tok", WORDS)
+    tokenizer = make_word_tokenizer(tmp_path / "tok", CHOICE_WORDS)
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "w1 w2 w3"}])
     judge = write_jsonl(tmp_path / "j.jsonl", [{"text": "w1 w2"}])
     monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
@@ -263,9 +241,9 @@ def test_the_cli_refuses_a_bad_judge_and_builds_nothing(
 def test_the_ingest_summary_says_what_auto_chose(
     db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tokenizer = make_word_tokenizer(tmp_path / "tok", WORDS)
+    tokenizer = make_word_tokenizer(tmp_path / "tok", CHOICE_WORDS)
     rng = np.random.default_rng(0)
-    tokens, offsets = _corpus(rng, _phrases(rng), 0.5, 60)
+    tokens, offsets = word_corpus(rng, word_phrases(rng), 0.5, 60)
     docs = [{"text": " ".join(f"w{t}" for t in tokens[offsets[d] : offsets[d + 1]])} for d in range(60)]
     corpus = write_jsonl(tmp_path / "c.jsonl", docs)
     judge = write_jsonl(tmp_path / "j.jsonl", docs[:5])  # part of the corpus: no novel position

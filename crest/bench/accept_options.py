@@ -14,7 +14,7 @@ from crest.config import DEFAULT_DENSE_PRECISION, KEEP_RULES, IngestOptions
 from crest.db.dense import PRECISIONS
 from crest.drafters.registry import names
 from crest.errors import ConfigError
-from crest.ingest.pipeline import check_judge
+from crest.ingest.publishing import check_judge
 
 SETTINGS = ("chat", "code")
 REST_PERCENTS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 100.0)

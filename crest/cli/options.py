@@ -107,7 +107,7 @@ SuffixRule = Annotated[
         "drafts on the whole store, in fewer bytes) or auto (prune, or every row read by its longest suffix, "
         "whichever drafts better on a held-out 1% of the corpus, at the positions whose surrounding text the "
         "rest never holds verbatim; chosen by a trial build without that 1%, then built from the whole corpus; "
-        "or on --suffix-judge).",
+        "or on --suffix-judge, which --engine spark needs).",
     ),
 ]
 SuffixJudge = Annotated[

@@ -120,9 +120,8 @@ def ingest(
     """
     from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
-    from crest.ingest.pipeline import check_judge
     from crest.ingest.pipeline import ingest as run_ingest
-    from crest.ingest.publishing import check_ingest
+    from crest.ingest.publishing import check_ingest, check_judge
 
     options = IngestOptions(
         max_n=max_n,
@@ -139,7 +138,7 @@ def ingest(
         suffix_rule=suffix_rule,
     )
     options = check_ingest(options, store=store, engine=engine, chunk_tokens=chunk_tokens, partitions=spark_partitions)
-    check_judge(options, judged=bool(suffix_judge))
+    check_judge(options, judged=bool(suffix_judge), engine=engine)
     dense = None
     if dense_model is not None:
         from crest.ingest.dense import DenseOptions
@@ -170,6 +169,7 @@ def ingest(
                 partitions=spark_partitions,
                 reporter=reporter,
                 chunk_tokens=chunk_tokens,
+                judge=suffix_judge or (),
             )
         print_summary(built)
         return

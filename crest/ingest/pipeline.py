@@ -25,8 +25,8 @@ from crest_client.embedded import crest_home
 from crest import db
 from crest.config import IngestOptions, fault_pause, resolve_model_spec
 from crest.decoding.tokenizer import load_tokenizer
-from crest.errors import ConfigError, CorpusError
-from crest.ingest.corpus import CorpusReport, Document, iter_documents
+from crest.errors import CorpusError
+from crest.ingest.corpus import CorpusReport, iter_documents
 from crest.ingest.loader import Reporter, RowLoader, RowReuse, SilentReporter
 from crest.ingest.ngrams import count_ngrams
 from crest.ingest.publishing import (
@@ -35,10 +35,19 @@ from crest.ingest.publishing import (
     Vocabulary,
     building,
     check_ingest,
+    check_judge,
     prepared,
     publish_summary,
 )
-from crest.ingest.suffix_choice import choose_at_ingest, judge_by, made_before, novel_positions, sample_judge
+from crest.ingest.suffix_choice import (
+    choose_at_ingest,
+    judge_by,
+    judge_documents,
+    made_before,
+    novel_positions,
+    sample_judge,
+    tokenize_judge,
+)
 from crest.ingest.suffixes import Choose, resolve_build
 from crest.ingest.tokenizer import tokenize_corpus
 
@@ -85,12 +94,6 @@ def _remove_stale_workdirs(root: Path) -> None:
             pass
 
 
-def check_judge(options: IngestOptions, *, judged: bool) -> None:
-    """Raise ConfigError when a judge corpus is given to a build that chooses no rule (`--suffix-rule auto`)."""
-    if judged and options.suffix_rule != "auto":
-        raise ConfigError("--suffix-judge is the text --suffix-rule auto chooses its rule on: give --suffix-rule auto")
-
-
 def ingest(
     inputs: Sequence[str],
     *,
@@ -118,20 +121,13 @@ def ingest(
         t0 = time.perf_counter()
         report = CorpusReport()
         docs = iter_documents(list(inputs), fmt=fmt, report=report)
-        judge_docs = _judge_documents(judge)  # resolved now: a missing path fails before the corpus is read
+        judge_docs = judge_documents(judge)  # resolved now: a missing path fails before the corpus is read
         fault_pause("read")
         corpus = tokenize_corpus(docs, tok, workdir=work, progress=rep.stage("read + tokenize", None))
         rep.done("read + tokenize")
         if corpus.tokens_total == 0:
             raise CorpusError("the corpus has no tokens: every document was empty")
-        judged = None
-        if judge_docs is not None:
-            (work / "judge").mkdir()
-            try:
-                text = tokenize_corpus(judge_docs, tok, workdir=work / "judge")
-            except CorpusError as exc:
-                raise CorpusError(f"--suffix-judge: {exc}") from None
-            judged = (text.tokens, text.doc_offsets)
+        judged = tokenize_judge(judge_docs, tok, workdir=work / "judge")
         seconds["read_tokenize"] = time.perf_counter() - t0
         summary = build_store(
             corpus.tokens,
@@ -149,16 +145,6 @@ def ingest(
             judge=judged,
         )
     return summary
-
-
-def _judge_documents(judge: Sequence[str]) -> Iterator[Document] | None:
-    """Return the documents of `--suffix-judge` (None without one); raise CorpusError naming the option."""
-    if not judge:
-        return None
-    try:
-        return iter_documents(list(judge), report=CorpusReport())
-    except CorpusError as exc:
-        raise CorpusError(f"--suffix-judge: {exc}") from None
 
 
 def build_store(

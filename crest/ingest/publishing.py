@@ -106,10 +106,10 @@ def check_ingest(
             f"--engine {engine} keeps n-grams by {' or '.join(ENGINE_KEEP_RULES[engine])} only, not by "
             f"{options.keep!r}: use --keep count or --engine inprocess"
         )
-    if engine == "spark" and options.suffix_rule in ("backoff", "auto"):  # these run in process only
+    if engine == "spark" and options.suffix_rule == "backoff":  # back-off trees are built in process only
         raise ConfigError(
-            f"--engine spark stores each n-gram's own tree only, not --suffix-rule {options.suffix_rule}: "
-            "use --suffix-rule lookup or prune, or --engine inprocess"
+            "--engine spark stores each n-gram's own tree only, not --suffix-rule backoff: "
+            "use --suffix-rule lookup, prune or auto, or --engine inprocess"
         )
     if chunk_tokens < 1:
         raise ConfigError(f"--chunk-tokens must be positive, got {chunk_tokens}")
@@ -117,6 +117,17 @@ def check_ingest(
         raise ConfigError(f"--spark-partitions must be positive, got {partitions}")
     check_store_name(store)
     return options
+
+
+def check_judge(options: IngestOptions, *, judged: bool, engine: str = "inprocess") -> None:
+    """Raise ConfigError unless a judge corpus comes with `--suffix-rule auto`, which on Spark needs one."""
+    if judged and options.suffix_rule != "auto":
+        raise ConfigError("--suffix-judge is the text --suffix-rule auto chooses its rule on: give --suffix-rule auto")
+    if engine == "spark" and options.suffix_rule == "auto" and not judged:  # no trial build on Spark
+        raise ConfigError(
+            "--engine spark chooses --suffix-rule auto on --suffix-judge only (the held-out trial build runs in "
+            "process): give --suffix-judge FILE (best the model's own answers), or --engine inprocess"
+        )
 
 
 @contextmanager

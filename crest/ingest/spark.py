@@ -7,9 +7,10 @@ range with `reduceByKey`, ranking them (count descending, key ascending, as `ngr
 occurrences by the smallest keyed hash of their global position (mergeable, as `trees.find_occurrences`),
 building and encoding trees, and COPYing rows into the version's table over their own connections
 (`spark_tasks`), and with `--suffix-rule prune` deleting the rows the `expected` rule never drafts from
-(`spark_prune`). The driver holds only the selected keys of one rank block (to broadcast them) and one hash
-per stored row (for the key filter). With `--budget`, ranks are loaded in doubling blocks until the next rank
-no longer fits, as in-process. A failed or killed job fails the build: the published version stays.
+(`spark_prune`); with `auto`, pruning or keeping every row as a judge corpus decides (`spark_choice`). The
+driver holds only the selected keys of one rank block (to broadcast them) and one hash per stored row (for the
+key filter). With `--budget`, ranks are loaded in doubling blocks until the next rank no longer fits, as
+in-process. A failed or killed job fails the build: the published version stays.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,10 +44,12 @@ from crest.ingest.publishing import (
     Vocabulary,
     building,
     check_ingest,
+    check_judge,
     peak_rss,
     prepared,
     publish_summary,
 )
+from crest.ingest.spark_choice import choose_on_spark
 from crest.ingest.spark_corpus import (
     corpus_report,
     number_documents,
@@ -66,6 +71,7 @@ from crest.ingest.spark_tasks import (
     spaced_sample,
     split_by_bounds,
 )
+from crest.ingest.suffix_choice import judge_documents, tokenize_judge
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -127,17 +133,26 @@ def ingest_spark(
     spark: SparkSession | None = None,
     reporter: Reporter | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    judge: Sequence[str] = (),
 ) -> SparkIngestSummary:
-    """Build a new version of `store` from `inputs` on Spark and publish it atomically."""
+    """Build a new version of `store` from `inputs` on Spark and publish it atomically.
+
+    `judge` names documents (any format, detected) that `--suffix-rule auto` chooses its rule on (required here).
+    """
     options = check_ingest(options, store=store, engine="spark", chunk_tokens=chunk_tokens, partitions=partitions)
+    check_judge(options, judged=bool(judge), engine="spark")
+    judge_docs = judge_documents(judge)  # resolved now: a missing path fails before any work
     owned = spark is None and (master is not None or not _has_active_session())
     session = spark or spark_session(master)
     try:
         spec = resolve_model_spec(tokenizer)
-        vocabulary = Vocabulary.of(load_tokenizer(spec), spec)
+        tok = load_tokenizer(spec)
+        vocabulary = Vocabulary.of(tok, spec)
         job = _Job(session, dsn=dsn, store=store, vocabulary=vocabulary, options=options, fmt=fmt)
         job.partitions = partitions or 0
         job.chunk_tokens, job.reporter = chunk_tokens, reporter or SilentReporter()
+        with tempfile.TemporaryDirectory(prefix="crest-judge-") as work:
+            job.judge = tokenize_judge(judge_docs, tok, workdir=Path(work))
         with prepared(dsn), spark_errors():
             summary = job.run(list(inputs))
     finally:
@@ -192,6 +207,8 @@ class _Job:
         self.tokens = 0
         self.figures: dict[str, Any] = {}
         self.stats: list[LoadStats] = []
+        self.judge: tuple[np.ndarray, np.ndarray] | None = None  # `--suffix-judge`'s (tokens, offsets)
+        self.choice: dict[str, Any] | None = None  # auto's choice: crest.ingest.suffix_choice.Choice's figures
 
     def run(self, inputs: list[str]) -> SparkIngestSummary:
         """Read, tokenize, count, then build, load and publish a version; fail the build on any error."""
@@ -224,9 +241,24 @@ class _Job:
                 loader = Loader(plan, parts, ranked, build.store_id, bases, unigram, keep)
                 top_t = loader.load_all(counted)
                 pruned = Pruned()
-                if loader.records is not None:  # --suffix-rule prune: crest.ingest.spark_prune
+                if self.judge is not None:  # --suffix-rule auto: prune, or keep every row (crest.ingest.spark_choice)
+                    t1 = time.perf_counter()
+                    self.choice = choose_on_spark(
+                        parts,
+                        self.judge,
+                        sc=self.sc,
+                        dsn=self.dsn,
+                        store_id=build.store_id,
+                        options=opts,
+                        table=table,
+                        width=self.width,
+                        chunk_tokens=self.chunk_tokens,
+                    )
+                    self.seconds["suffix_choice"] = time.perf_counter() - t1
+                if loader.records is not None:  # prune, or auto's choice of it: crest.ingest.spark_prune
                     sid, width, slices = build.store_id, self.width, self.partitions
-                    pruned = prune_rows(loader.records, dsn=self.dsn, store_id=sid, width=width, partitions=slices)
+                    if self.choice is None or self.choice["rule"] == "prune":
+                        pruned = prune_rows(loader.records, dsn=self.dsn, store_id=sid, width=width, partitions=slices)
                     loader.records.unpersist()
                 hashes = [s.hashes for s in loader.stats]
                 filt = KeyFilter.build(pruned.left(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)))
@@ -352,5 +384,6 @@ class _Job:
             index_bytes=sizes["index_bytes"],
             seconds=self.seconds,
             top_t=top_t,
+            suffix_choice=self.choice,
             spark=spark,
         )

@@ -3,7 +3,7 @@
 The driver collects the selected keys of one block (to broadcast them), sums the estimated bytes of the block's
 rows per rank segment (with `--budget`: the ranks that fit follow, as in-process, from the cumulative bytes),
 and collects what each COPY task wrote; the rows themselves stay on the executors (with `--suffix-rule prune`,
-each copied row's key and rank too, for `spark_prune`).
+each copied row's key and rank too, for `spark_prune`; with `auto`, in case it chooses `prune`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Loader:
         self.stats: list[LoadStats] = []
         self.block = 0
         self.fault = os.environ.get(ENV_FAULT) == "copy"
-        self.records: RDD[Any] | None = None  # (key, spark_prune.Record) of the rows copied, with `prune`
+        self.records: RDD[Any] | None = None  # (key, spark_prune.Record) of the rows copied, to prune them
         job.figures["sample_shuffle_bytes"] = 0
 
     def load_all(self, counted: dict[int, int]) -> int | None:
@@ -212,7 +212,7 @@ class Loader:
             yield copy_rows(dsn, sid, (block << 16) | index, batches, fault=fault and index == last)
 
         self.stats.extend(rows.mapPartitionsWithIndex(copy).collect())
-        if self.job.options.suffix_rule == "prune":  # what crest.ingest.spark_prune needs of each row copied
+        if self.job.options.suffix_rule in ("prune", "auto"):  # what crest.ingest.spark_prune needs of each row
             k = self.job.options.max_matches
             kept = rows.flatMap(lambda r: row_records(r.take(r.ranks < limit), max_matches=k)).persist(self.keep)
             kept.count()

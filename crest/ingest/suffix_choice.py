@@ -20,8 +20,9 @@ keeps every row. Either way a lookup reads one row, the longest stored suffix (t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,9 +31,12 @@ from crest_client.draft import Draft
 from crest_client.merge import match_path
 
 from crest.config import IngestOptions
+from crest.errors import CorpusError
+from crest.ingest.corpus import CorpusReport, Document, iter_documents
 from crest.ingest.loader import Advance, Reporter, RowLoader
 from crest.ingest.ngrams import count_ngrams
 from crest.ingest.suffixes import Choose, Row, prune_mask
+from crest.ingest.tokenizer import tokenize_corpus
 
 HELD_FRACTION = 0.01  # of the corpus's tokens held out of an `auto` build to choose its rule on
 HELD_TOKENS = 200_000  # at most
@@ -127,6 +131,28 @@ def split_held_out(
     return (*_take(tokens, offsets, ~held), *_take(tokens, offsets, held))
 
 
+def judge_documents(judge: Sequence[str]) -> Iterator[Document] | None:
+    """Return the documents of `--suffix-judge` (None without one); raise CorpusError naming the option."""
+    if not judge:
+        return None
+    try:
+        return iter_documents(list(judge), report=CorpusReport())
+    except CorpusError as exc:
+        raise CorpusError(f"--suffix-judge: {exc}") from None
+
+
+def tokenize_judge(docs: Iterator[Document] | None, tok: Any, *, workdir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return the judge's (tokens, offsets) read from `docs` (None without any); raise CorpusError naming the option."""
+    if docs is None:
+        return None
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        text = tokenize_corpus(docs, tok, workdir=workdir)
+    except CorpusError as exc:
+        raise CorpusError(f"--suffix-judge: {exc}") from None
+    return text.tokens, text.doc_offsets
+
+
 def sample_judge(tokens: np.ndarray, offsets: np.ndarray, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Return the judge text `auto` reads: all of it, or seeded whole documents until `HELD_TOKENS` tokens are.
 
@@ -177,7 +203,7 @@ def choose_rule(
     """
     tokens, offsets = held
     stored = {key: (n, tree, kept) for (key, n, _, tree), kept in zip(rows, keep, strict=True)}
-    at, judged_novel = _positions(offsets, novel, seed=seed)
+    at, judged_novel = judged_positions(offsets, novel, seed=seed)
     decoded: dict[bytes, Draft] = {}
     scores = {"prune": 0, "longest": 0}
     for start, p, end in at:
@@ -260,24 +286,56 @@ def novel_positions(
     memory stays bounded by the chunk and the held-out slice, not the corpus.
     """
     # build, held: (tokens [N] int32, offsets [D + 1] int64)
-    tokens, offsets = held
-    size = 2 * window
-    found = np.zeros(tokens.shape[0], dtype=bool)
-    starts = _window_starts(offsets, 0, max(tokens.shape[0] - size + 1, 0), size)  # [W] windows inside a document
-    if starts.shape[0] == 0:
+    windows = JudgedWindows.of(held, window=window)
+    return windows.novel(seen_windows(*build, windows.wanted, size=2 * window, chunk_tokens=chunk_tokens))
+
+
+@dataclass
+class JudgedWindows:
+    """The windows around a judged text's positions: where each starts, and their distinct hashes."""
+
+    positions: int  # H, the judged text's tokens
+    window: int
+    starts: np.ndarray  # [W] int64 starts of the windows inside one document
+    wanted: np.ndarray  # [U] uint64 distinct window hashes, sorted
+    first: np.ndarray  # [W] index into `wanted` of each window's hash
+
+    @classmethod
+    def of(cls, held: tuple[np.ndarray, np.ndarray], *, window: int) -> JudgedWindows:
+        """Return the windows of `2 * window` tokens of the judged text (tokens, offsets)."""
+        tokens, offsets = held
+        size = 2 * window
+        starts = _window_starts(offsets, 0, max(tokens.shape[0] - size + 1, 0), size)  # [W] inside a document
+        hashes = _window_hashes(tokens, starts, size)
+        wanted, first = np.unique(hashes, return_inverse=True)
+        return cls(int(tokens.shape[0]), window, starts, wanted, first.reshape(-1))
+
+    def novel(self, seen: np.ndarray) -> np.ndarray:
+        """Return [H] bools: the positions whose window is not `seen` ([U] bools over `wanted`)."""
+        found = np.zeros(self.positions, dtype=bool)
+        if self.starts.shape[0]:
+            found[self.starts + self.window] = ~seen[self.first]
         return found
-    hashes = _window_hashes(tokens, starts, size)
-    wanted, first = np.unique(hashes, return_inverse=True)  # [U] distinct held-out windows
+
+
+def seen_windows(
+    tokens: np.ndarray, offsets: np.ndarray, wanted: np.ndarray, *, size: int, chunk_tokens: int = 1 << 22
+) -> np.ndarray:
+    """Return [U] bools: which of the `wanted` window hashes (sorted) occur in these documents' windows of `size`.
+
+    The documents are read in chunks of `chunk_tokens` windows, so memory stays bounded by the chunk.
+    """
+    # tokens: [N] int32, offsets: [D + 1] int64
     seen = np.zeros(wanted.shape[0], dtype=bool)
-    b_tokens, b_offsets = build
-    total = max(int(b_tokens.shape[0]) - size + 1, 0)
+    if not wanted.shape[0]:
+        return seen
+    total = max(int(tokens.shape[0]) - size + 1, 0)
     for lo in range(0, total, chunk_tokens):
-        at = _window_starts(b_offsets, lo, min(lo + chunk_tokens, total), size)
-        got = _window_hashes(b_tokens, at, size)
+        at = _window_starts(offsets, lo, min(lo + chunk_tokens, total), size)
+        got = _window_hashes(tokens, at, size)
         where = np.minimum(np.searchsorted(wanted, got), wanted.shape[0] - 1)
         seen[where[wanted[where] == got]] = True
-    found[starts + window] = ~seen[first]
-    return found
+    return seen
 
 
 def _window_starts(offsets: np.ndarray, lo: int, hi: int, size: int) -> np.ndarray:
@@ -295,7 +353,9 @@ def _window_hashes(tokens: np.ndarray, starts: np.ndarray, size: int) -> np.ndar
     return h
 
 
-def _positions(offsets: np.ndarray, novel: np.ndarray | None, *, seed: int) -> tuple[list[tuple[int, int, int]], bool]:
+def judged_positions(
+    offsets: np.ndarray, novel: np.ndarray | None, *, seed: int
+) -> tuple[list[tuple[int, int, int]], bool]:
     """Return up to `POSITIONS` seeded (its document's start, position, its document's end) with a token before and
     one after, novel ones only when `novel` marks any, and whether they are."""
     at = np.arange(int(offsets[-1]) if offsets.shape[0] else 0, dtype=np.int64)
