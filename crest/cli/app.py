@@ -17,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from typer.core import TyperGroup
 
+from crest.cli.answer import answer
 from crest.cli.bench_commands import bench_app, rest_app
 from crest.cli.db_commands import db_app, server_app
 from crest.cli.drafter_commands import drafters
@@ -49,7 +50,7 @@ app = typer.Typer(
     help="Compact, database-backed drafting stores for speculative decoding.",
     epilog="Exit codes: 0 ok, 1 failure, 2 usage or bad input, 3 database, 130 interrupted.",
 )
-for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, serve, drafters):
+for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, answer, serve, drafters):
     app.command()(command)
 app.command("export-hf")(export_hf)
 app.command()(export)

@@ -118,7 +118,7 @@ SuffixJudge = Annotated[
         show_envvar=True,
         help="With --suffix-rule auto: documents to choose the rule on (a file, directory or glob; its format "
         "detected; repeatable) instead of a held-out 1% of the corpus: text like what the model will write, best "
-        "its own answers (python3 -m crest.bench.self_corpus --answers-only). One build, no trial build.",
+        "its own answers (crest answer --answers-only). One build, no trial build.",
     ),
 ]
 Keep = Annotated[
