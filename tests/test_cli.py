@@ -401,3 +401,29 @@ def test_ctrl_c_during_ingest_says_interrupted_exits_130_and_keeps_the_previous_
     with psycopg.connect(db_dsn) as conn:  # the interrupted attempt is marked, not left building
         states = [s for (s,) in conn.execute("SELECT state FROM crest_stores WHERE id <> %s", (old.store_id,))]
     assert states == ([] if stage == "count" else ["failed"])
+
+
+def test_a_weighted_input_counts_as_if_listed_k_times(
+    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from tests.fix_corpus import write_jsonl
+    from tests.fix_learning import published, version_rows
+
+    human = write_jsonl(tmp_path / "human.jsonl", [{"text": "the cat sat on the mat"}, {"text": "a dog sat"}])
+    model = write_jsonl(tmp_path / "model.jsonl", [{"text": "the dog sat on a mat"}])
+    monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
+    base = ["--tokenizer", str(word_tokenizer_dir), "--max-n", "3", "--continuation-length", "4", "-q"]
+    runs = {
+        "weighted": [str(human), str(model), "--weight", f"{model}=3"],
+        "listed": [str(human), str(model), str(model), str(model)],
+        "once": [str(human), str(model)],
+    }
+    for store, inputs in runs.items():
+        code, _, err = run(monkeypatch, capsys, "ingest", *inputs, "--store", store, *base)
+        assert code == 0, err
+    rows = {store: version_rows(db_dsn, published(db_dsn, store)["static"]) for store in runs}
+    assert rows["weighted"] == rows["listed"] != rows["once"]
+    code, _, err = run(monkeypatch, capsys, "ingest", str(human), "--store", "bad", "--weight", "other.jsonl=2", *base)
+    assert code == 2 and "'other.jsonl' is not one of the inputs" in one_error_line(err)
+    assert published(db_dsn, "bad") == {}  # refused before any build began

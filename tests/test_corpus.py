@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crest.errors import CorpusError
-from crest.ingest.corpus import CorpusReport, StreamedDocument, detect_format, iter_documents
+from crest.ingest.corpus import CorpusReport, StreamedDocument, detect_format, iter_documents, weigh_inputs
 from tests.fix_corpus import (
     CONVERSATIONS,
     record_starts,
@@ -413,3 +413,26 @@ def test_small_jsonl_splits_lines_at_newlines_only(tmp_path: Path, separator: st
     texts = [f"one{separator}two", "three"]
     path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
     assert [(n, v["text"]) for n, v in read_jsonl(path)] == [(1, texts[0]), (2, texts[1])]
+
+
+def test_a_weighted_input_is_listed_k_times_in_its_place() -> None:
+    assert weigh_inputs(["a.jsonl", "b/*.py", "c"], ["b/*.py=3", "c=1"]) == ["a.jsonl", *["b/*.py"] * 3, "c"]
+    assert weigh_inputs(["x=y.txt"], ["x=y.txt=2"]) == ["x=y.txt"] * 2  # the last = splits
+    assert weigh_inputs(["a"], []) == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("weight", "said"),
+    [
+        ("b=2", "'b' is not one of the inputs"),
+        ("a=0", "K must be a whole number from 1 to 1000"),
+        ("a=1001", "K must be a whole number from 1 to 1000"),
+        ("a=2.5", "K must be a whole number"),
+        ("a", "write INPUT=K"),
+        ("=3", "write INPUT=K"),
+    ],
+    ids=["unknown-input", "zero", "too-many", "fraction", "no-k", "no-input"],
+)
+def test_a_bad_weight_is_a_clear_error(weight: str, said: str) -> None:
+    with pytest.raises(CorpusError, match=said):
+        weigh_inputs(["a"], [weight])

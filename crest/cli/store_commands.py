@@ -29,6 +29,14 @@ def ingest(
     store: StoreName,
     tokenizer: Tokenizer,
     fmt: Format = "auto",
+    weight: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="INPUT=K",
+            help="Read INPUT (one of the inputs, as given) K times, so its n-grams count K times (repeatable): "
+            "the model's own answers (crest answer) among human text draft best weighted up.",
+        ),
+    ] = None,
     max_n: Annotated[int, typer.Option(envvar="CREST_MAX_N", help="Largest n-gram length.")] = 4,
     top_t: Annotated[
         int | None,
@@ -120,6 +128,7 @@ def ingest(
     """
     from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
+    from crest.ingest.corpus import weigh_inputs
     from crest.ingest.pipeline import ingest as run_ingest
     from crest.ingest.publishing import check_ingest, check_judge
 
@@ -139,6 +148,7 @@ def ingest(
     )
     options = check_ingest(options, store=store, engine=engine, chunk_tokens=chunk_tokens, partitions=spark_partitions)
     check_judge(options, judged=bool(suffix_judge), engine=engine)
+    inputs = weigh_inputs(inputs, weight or [])
     dense = None
     if dense_model is not None:
         from crest.ingest.dense import DenseOptions

@@ -81,6 +81,26 @@ def iter_documents(
     return _generate(resolved, rep, sizes, limit=max_documents)
 
 
+MAX_WEIGHT = 1000  # times one input may be read
+
+
+def weigh_inputs(inputs: Sequence[str], weights: Sequence[str]) -> list[str]:
+    """Return the inputs with each one weighted `INPUT=K` listed K times in its place (read K times: its n-grams
+    count K times); raise CorpusError for a weight that names no input or is not a whole number in 1..MAX_WEIGHT.
+    """
+    times: dict[str, int] = {}
+    for spec in weights:
+        name, sep, value = spec.rpartition("=")
+        if not sep or not name:
+            raise CorpusError(f"--weight {spec!r}: write INPUT=K, INPUT as given among the inputs")
+        if name not in inputs:
+            raise CorpusError(f"--weight {spec!r}: {name!r} is not one of the inputs (give it exactly as listed)")
+        if not value.strip().isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
+            raise CorpusError(f"--weight {spec!r}: K must be a whole number from 1 to {MAX_WEIGHT}")
+        times[name] = int(value)
+    return [spec for spec in inputs for _ in range(times.get(spec, 1))]
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, value) for each non-blank line of a small JSONL file such as a prompts file."""
     try:
