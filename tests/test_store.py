@@ -110,6 +110,27 @@ def test_draft_many_matches_draft(store: Store) -> None:
     assert [d.tokens.tolist() if d else None for d in many] == [d.tokens.tolist() if d else None for d in one]
 
 
+@pytest.mark.parametrize(
+    ("load", "idle"), [(0.5, True), (2.0, False), (9.0, False), (None, False)], ids=["idle", "full", "over", "none"]
+)
+def test_lookups_poll_only_while_the_load_average_leaves_a_cpu_idle(
+    monkeypatch: pytest.MonkeyPatch, load: float | None, idle: bool
+) -> None:
+    from crest_client import _connections
+
+    def loadavg() -> tuple[float, float, float]:
+        if load is None:
+            raise OSError("no load average")
+        return (load, load, load)
+
+    monkeypatch.setattr(_connections, "_CPUS", 2)
+    monkeypatch.setattr(_connections.os, "getloadavg", loadavg)
+    monkeypatch.setattr(_connections, "_load_checked", -10.0)
+    assert _connections.has_idle_cpu() is idle
+    monkeypatch.setattr(_connections.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert _connections.has_idle_cpu() is idle  # read again a second later, not at every lookup
+
+
 @pytest.mark.parametrize("idle", [True, False], ids=["cpu-idle-polls", "cpu-busy-sleeps"])
 def test_busy_polling_for_the_answer_drafts_what_sleeping_does(
     db_dsn: str, monkeypatch: pytest.MonkeyPatch, idle: bool

@@ -243,7 +243,7 @@ def has_idle_cpu() -> bool:
         _load_checked = now
         try:
             _idle = os.getloadavg()[0] < _CPUS
-        except OSError:  # no load average on this platform: never busy-poll
+        except (AttributeError, OSError):  # no load average on this platform (Windows): never busy-poll
             _idle = False
     return _idle
 
