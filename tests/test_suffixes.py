@@ -101,9 +101,9 @@ def test_lookup_says_where_the_matched_rows_tree_came_from(
     )
 
 
-def test_spark_refuses_backoff_before_any_work() -> None:
+def test_spark_refuses_backoff_and_a_judgeless_auto_before_any_work() -> None:
     from crest.errors import ConfigError
-    from crest.ingest.publishing import check_ingest
+    from crest.ingest.publishing import check_ingest, check_judge
 
     options = IngestOptions(top_t=10, suffix_rule="backoff")
     with pytest.raises(
@@ -111,8 +111,11 @@ def test_spark_refuses_backoff_before_any_work() -> None:
     ):
         check_ingest(options, store="s", engine="spark")
     assert check_ingest(options, store="s").suffix_rule == "backoff"
-    with pytest.raises(ConfigError, match="not --suffix-rule auto"):  # its held-out choice runs in process only
-        check_ingest(IngestOptions(top_t=10, suffix_rule="auto"), store="s", engine="spark")
+    auto = check_ingest(IngestOptions(top_t=10, suffix_rule="auto"), store="s", engine="spark")
+    check_judge(auto, judged=True, engine="spark")  # auto runs on Spark with a judge (tests/test_spark.py)
+    with pytest.raises(ConfigError, match="on --suffix-judge only"):  # its held-out trial build runs in process
+        check_judge(auto, judged=False, engine="spark")
+    check_judge(auto, judged=False)
     pruned = IngestOptions(top_t=10, suffix_rule="prune")  # prune runs on Spark too (tests/test_spark.py)
     assert check_ingest(pruned, store="s", engine="spark").suffix_rule == "prune"
     with pytest.raises(ConfigError, match="unknown --suffix-rule 'merged'"):
