@@ -17,7 +17,7 @@ from crest.bench.accept import AcceptOptions, run_accept
 from crest.bench.replay import matched_depth, replay
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.registry import NAMES
-from crest.errors import ConfigError
+from crest.errors import ConfigError, CorpusError
 from tests.fix_corpus import make_word_tokenizer, write_jsonl, write_tree
 from tests.fix_models import tiny_model
 
@@ -248,6 +248,24 @@ def test_options_are_checked() -> None:
         AcceptOptions(setting="code", drafters=("bogus",)).validate()
     with pytest.raises(ConfigError):
         AcceptOptions(setting="code", percents=(0.0,)).validate()
+
+
+def test_added_and_weighted_inputs_join_the_preset_corpus(tmp_path: Path) -> None:
+    from crest.bench.accept import prepare_corpus
+    from crest.bench.datastores import stdlib_files
+
+    answers = str(write_jsonl(tmp_path / "answers.jsonl", [{"text": "def f():\n    return 1"}]))
+    base = prepare_corpus(AcceptOptions(setting="code"), tmp_path)
+    once = prepare_corpus(AcceptOptions(setting="code", add_corpus=(answers,)), tmp_path)
+    ten = prepare_corpus(AcceptOptions(setting="code", add_corpus=(answers,), weight=(f"{answers}=10",)), tmp_path)
+    assert base.inputs == stdlib_files() and base.fmt == "files"
+    assert once.inputs == [*base.inputs, answers] and once.fmt == "auto"  # each file read by its own format
+    assert ten.inputs == [*base.inputs, *[answers] * 10]
+    assert len({base.key, once.key, ten.key}) == 3  # each names (and builds) its own stores
+    with pytest.raises(CorpusError, match="is not one of the inputs"):
+        AcceptOptions(setting="code", weight=(f"{answers}=10",)).validate()
+    with pytest.raises(ConfigError, match="read by their own format"):
+        AcceptOptions(corpus=("c.json",), fmt="sharegpt", prompts="p.jsonl", add_corpus=(answers,)).validate()
 
 
 @pytest.mark.parametrize(

@@ -46,12 +46,25 @@ from crest.bench.datastores import (
 )
 from crest.config import IngestOptions
 from crest.errors import CorpusError
+from crest.ingest.corpus import weigh_inputs
 
 __all__ = ["AcceptOptions", "measure", "prepare_corpus", "prepare_prompts", "run_accept"]
 
 
 def prepare_corpus(opts: AcceptOptions, out: Path) -> Corpus:
-    """Return the run's corpus: a preset's (hold-out removed, written to `out`) or the given inputs."""
+    """Return the run's corpus: a preset's (hold-out removed, written to `out`) or the given inputs, with the
+    `--add-corpus` files after it and every `--weight` applied."""
+    corpus = _base_corpus(opts, out)
+    if not (opts.add_corpus or opts.weight):
+        return corpus
+    added = list(opts.add_corpus)
+    inputs = weigh_inputs([*corpus.inputs, *added], opts.weight)
+    key = digest([corpus.key, "added", *added, *map(size_tag, added), "weight", *opts.weight])
+    return Corpus(inputs, "auto" if added else corpus.fmt, key, corpus.heldout_prompts)
+
+
+def _base_corpus(opts: AcceptOptions, out: Path) -> Corpus:
+    """Return a preset's corpus (hold-out removed, written to `out`) or the given inputs."""
     if opts.corpus:
         inputs = list(opts.corpus)
         return Corpus(inputs, opts.fmt, digest(["given", opts.fmt, *inputs, *map(size_tag, inputs)]))

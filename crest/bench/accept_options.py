@@ -14,6 +14,7 @@ from crest.config import DEFAULT_DENSE_PRECISION, KEEP_RULES, IngestOptions
 from crest.db.dense import PRECISIONS
 from crest.drafters.registry import names
 from crest.errors import ConfigError
+from crest.ingest.corpus import weigh_inputs
 from crest.ingest.publishing import check_judge
 
 SETTINGS = ("chat", "code")
@@ -30,6 +31,8 @@ class AcceptOptions:
     setting: str | None = None  # chat | code: fills corpus, prompts and hold-out
     corpus: tuple[str, ...] = ()
     fmt: str = "auto"
+    add_corpus: tuple[str, ...] = ()  # files added to the preset's (or given) corpus, each read by its own format
+    weight: tuple[str, ...] = ()  # INPUT=K: a --corpus or --add-corpus input read K times (ingest's --weight)
     prompts: str | None = None
     chat: bool = False
     drafters: tuple[str, ...] = DRAFTERS
@@ -68,6 +71,9 @@ class AcceptOptions:
         if self.setting is None and not (self.corpus and self.prompts):
             raise ConfigError("give --setting chat|code, or --corpus and --prompts")
         check_judge(IngestOptions(suffix_rule=self.suffix_rule), judged=bool(self.suffix_judge))
+        weigh_inputs([*self.corpus, *self.add_corpus], self.weight)  # a weight names a given input
+        if self.add_corpus and self.corpus and self.fmt != "auto":
+            raise ConfigError("--add-corpus files are read by their own format: with --corpus give --format auto")
         known = names("bench")
         bad = [d for d in self.drafters if d not in known]
         if bad or not self.drafters:

@@ -21,6 +21,14 @@ def bench_accept_cmd(
     model: Model = "smollm2",
     corpus: Annotated[list[str] | None, typer.Option(help="Corpus input (repeatable), instead of a preset.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="Format of --corpus.")] = "auto",
+    add_corpus: Annotated[
+        list[str] | None,
+        typer.Option(help="A file added to the preset's (or --corpus) documents, read by its format (repeatable)."),
+    ] = None,
+    weight: Annotated[
+        list[str] | None,
+        typer.Option(metavar="INPUT=K", help="Read a --corpus or --add-corpus input K times (repeatable)."),
+    ] = None,
     prompts: Annotated[str | None, typer.Option(help="humaneval or a JSONL file, instead of a preset.")] = None,
     chat: Chat = False,
     drafters: Annotated[str, typer.Option(help="Comma-separated drafters.")] = "none,prompt,rest,crest,crest+prompt",
@@ -75,6 +83,8 @@ def bench_accept_cmd(
     options = AcceptOptions(
         setting=setting,
         corpus=tuple(corpus or ()),
+        add_corpus=tuple(add_corpus or ()),
+        weight=tuple(weight or ()),
         fmt=fmt,
         prompts=prompts,
         chat=chat,
