@@ -110,9 +110,9 @@ def run_accept(
 
     opts.validate()
     out.mkdir(parents=True, exist_ok=True)
-    setting = opts.setting or "custom"
     started = time.time()
     corpus = prepare_corpus(opts, out)
+    setting = (opts.setting or "custom") + (f"_c{corpus.key[:6]}" if opts.add_corpus or opts.weight else "")
     prompts, chat = prepare_prompts(opts, corpus)
     if not prompts:
         raise CorpusError("no prompts to run")
@@ -217,7 +217,7 @@ def run_accept(
             "inputs": len(corpus.inputs),
             "format": corpus.fmt,
             "key": corpus.key,
-            "heldout_conversations": opts.holdout if setting == "chat" and not opts.corpus else 0,
+            "heldout_conversations": opts.holdout if opts.setting == "chat" and not opts.corpus else 0,
         },
         "prompts": len(prompts),
         "method": {
