@@ -86,8 +86,10 @@ def test_a_stopped_run_keeps_its_answers_in_a_partial_file_and_writes_no_corpus(
         (["--prompts", "humaneval", "--sharegpt", "x.json"], "give --prompts or --sharegpt (one of them)"),
         (["--prompts", "humaneval", "--batch", "0"], "--batch must be positive, got 0"),
         (["--prompts", "humaneval", "--skip", "500"], "no prompt to answer"),
+        (["--prompts", "humaneval", "--out", "."], "is a directory: give a file name"),
+        (["--prompts", "humaneval", "--out", "/proc/nope/x.jsonl"], "cannot write '/proc/nope/x.jsonl.partial'"),
     ],
-    ids=["missing-prompts", "bad-device", "two-sources", "zero-batch", "all-skipped"],
+    ids=["missing-prompts", "bad-device", "two-sources", "zero-batch", "all-skipped", "out-is-a-dir", "out-unwritable"],
 )
 def test_bad_input_is_one_line_and_exit_2(
     tmp_path: Path,
@@ -97,9 +99,10 @@ def test_bad_input_is_one_line_and_exit_2(
     message: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    code, _, err = run(monkeypatch, capsys, "answer", *args, "--out", str(tmp_path / "out.jsonl"))
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out.jsonl")]
+    code, _, err = run(monkeypatch, capsys, "answer", *args, *out)
     assert code == 2 and message in one_error_line(err), err
-    assert not (tmp_path / "out.jsonl").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]  # nothing written, not even a partial
 
 
 @pytest.mark.slow  # the real model answers two HumanEval prompts

@@ -44,7 +44,7 @@ def answer(
     OUT appears once every prompt is answered. A GPU answers thousands of prompts a minute, this CPU about 15 tokens/s.
     """
     from crest.bench.prompts import load_prompts, sharegpt_turns
-    from crest.decoding.answers import write_answers
+    from crest.decoding.answers import check_out, write_answers
     from crest.decoding.models import load_model
     from crest.errors import ConfigError
 
@@ -65,6 +65,7 @@ def answer(
         texts = load_prompts(str(prompts))[skip:][:limit]
     if not texts:
         raise ConfigError("no prompt to answer")
+    check_out(out)  # before the model loads
     loaded = load_model(model, device=device, dtype=dtype)
     figures = write_answers(
         loaded,

@@ -89,8 +89,7 @@ def write_answers(
     if not kept:
         raise ConfigError(f"no prompt of 1 to {max_prompt_tokens} tokens to respond to")
     started, written, new = time.perf_counter(), 0, 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
+    partial = check_out(out)
     with open(partial, "w", encoding="utf-8") as sink:
         for done in responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch):
             for i, response in done:
@@ -105,3 +104,25 @@ def write_answers(
     os.replace(partial, out)
     seconds = time.perf_counter() - started
     return {"documents": written, "skipped": len(encoded) - len(kept), "new_tokens": new, "seconds": seconds}
+
+
+def check_out(out: Path) -> Path:
+    """Return the partial file `write_answers` writes before `out`; raise ConfigError when either cannot be written.
+
+    Nothing is left behind: a partial file made to try the directory is removed again.
+    """
+    if out.is_dir() or not out.name:
+        raise ConfigError(f"--out {str(out)!r} is a directory: give a file name")
+    partial = out.with_name(out.name + ".partial")
+    if partial.is_dir():
+        raise ConfigError(f"{str(partial)!r} is a directory: give --out another file name")
+    existed = partial.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write {str(partial)!r}: {exc.strerror or exc}") from None
+    if not existed:
+        partial.unlink()
+    return partial
