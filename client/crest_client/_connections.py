@@ -8,7 +8,7 @@ directly (psycopg's cursor layer costs ~40 us) and waits for its result until th
 clock; past it the statement is cancelled and the connection kept (a server that is only slow), or closed when the
 server does not answer the cancel either (one that stopped answering). While the machine has an idle CPU, a lookup
 first busy-polls for its answer for up to `spin` seconds (`SPIN`, 200 us): a client asleep in select wakes 20-40 us
-after its answer arrives on an idle virtual machine, about half a lookup's time. On a busy machine (load average
+after its answer arrives on an idle virtual machine, a quarter of a lookup. On a busy machine (load average
 at or above the CPU count, re-read once a second) it sleeps at once: there the poll would take CPU from the server.
 A private module with public names: `Store` is built on it.
 """
