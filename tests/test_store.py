@@ -435,6 +435,35 @@ def test_connect_reads_large_store_data_beyond_the_lookup_timeout(db_dsn: str) -
         assert store.info.key_filter is not None and len(store.info.key_filter) == len(big)
 
 
+def test_connect_waits_for_a_locked_catalog_beyond_the_lookup_timeout(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    done: list[Any] = []
+
+    def connect() -> None:
+        try:
+            with Store.connect(db_dsn, "demo", timeout=0.001, connect_timeout=30.0) as store:
+                done.append(store.info.id)
+        except Exception as exc:  # handed to the test thread
+            done.append(exc)
+
+    with psycopg.connect(db_dsn) as locker:  # the catalog locked: connect's first read waits
+        locker.execute("LOCK TABLE crest_stores IN ACCESS EXCLUSIVE MODE")
+        worker = threading.Thread(target=connect, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 30
+        with psycopg.connect(db_dsn, autocommit=True) as watcher:
+            while not done and time.monotonic() < deadline:  # until the client's read waits on the lock
+                waiting = watcher.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'crest-client'"
+                    " AND wait_event_type = 'Lock'"
+                ).fetchone()
+                if waiting != (0,):
+                    break
+        locker.rollback()
+    worker.join(30)
+    assert done and isinstance(done[0], int), done  # read within connect_timeout, not the 1 ms lookup timeout
+
+
 @pytest.mark.parametrize("pool_size", [1, 2], ids=["one", "two"])
 def test_a_lookup_past_its_timeout_cancels_its_statement_and_keeps_the_connection(db_dsn: str, pool_size: int) -> None:
     sid = publish(db_dsn, "demo", ROWS)

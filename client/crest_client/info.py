@@ -11,8 +11,8 @@ it was built with the static tier's tokenizer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +61,15 @@ def read_info(
     tier: str = "static",
     known: StoreInfo | None = None,
     data_timeout: float = 10.0,
+    info_timeout: float | None = None,
 ) -> StoreInfo:
-    """Return the published version of one tier of store `name`; raise StoreNotFound when there is none."""
+    """Return the published version of one tier of store `name`; raise StoreNotFound when there is none.
+
+    The catalog row is read within `info_timeout` seconds (None: the connection's statement timeout, a lookup's),
+    the version's data within `data_timeout`.
+    """
     try:
-        with connection() as conn:
+        with connection() as conn, bounded(conn, info_timeout):
             row = conn.execute(INFO_SQL, (name, tier)).fetchone()
     except (psycopg.Error, PoolTimeout) as exc:
         raise ConnectionUnavailable(f"cannot read store {name!r}: {exc}") from None
@@ -101,8 +106,7 @@ def read_data(
 ) -> tuple[TokenTable | None, KeyFilter | None]:
     """Read a version's token table and key filter (None, None for stores older than them)."""
     try:
-        with connection() as conn, conn.transaction():  # a transaction: SET LOCAL ends with it
-            conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout * 1000))}")
+        with connection() as conn, bounded(conn, timeout):
             row = conn.execute(DATA_SQL, (store_id,)).fetchone()
     except psycopg.errors.UndefinedTable:
         return None, None
@@ -119,10 +123,12 @@ def read_data(
         raise CodecError(f"store {name!r} has a corrupt token table or key filter: {exc}") from None
 
 
-def read_live(connection: Connection, name: str, static: StoreInfo, *, data_timeout: float) -> StoreInfo | None:
+def read_live(
+    connection: Connection, name: str, static: StoreInfo, *, data_timeout: float, info_timeout: float | None = None
+) -> StoreInfo | None:
     """Return the store's published live tier when it has one built with the static tier's tokenizer."""
     try:
-        live = read_info(connection, name, tier="live", data_timeout=data_timeout)
+        live = read_info(connection, name, tier="live", data_timeout=data_timeout, info_timeout=info_timeout)
     except StoreNotFound:
         return None
     same = (live.fingerprint, live.vocab_size, live.token_width) == (
@@ -134,3 +140,14 @@ def read_live(connection: Connection, name: str, static: StoreInfo, *, data_time
         log.warning("store %r: its live tier was built with another tokenizer; ignored", name)
         return None
     return live
+
+
+@contextmanager
+def bounded(conn: psycopg.Connection[Any], timeout: float | None) -> Iterator[None]:
+    """Run the body's statements within `timeout` seconds (a transaction: SET LOCAL ends with it); None: as set."""
+    if timeout is None:
+        yield
+        return
+    with conn.transaction():
+        conn.execute(f"SET LOCAL statement_timeout = {max(1, int(timeout * 1000))}")
+        yield

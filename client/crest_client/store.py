@@ -112,8 +112,9 @@ class Store:
         dsn = check_dsn(resolve_read_dsn(dsn))
         pool = open_pool(dsn, name, timeout=timeout, pool_size=pool_size, connect_timeout=connect_timeout)
         try:
-            info = read_info(pool.connection, name, data_timeout=connect_timeout)
-            live_info = read_live(pool.connection, name, info, data_timeout=connect_timeout) if live else None
+            wait = connect_timeout  # the first reads wait as long as connecting may, not a lookup's timeout
+            info = read_info(pool.connection, name, data_timeout=wait, info_timeout=wait)
+            live_info = read_live(pool.connection, name, info, data_timeout=wait, info_timeout=wait) if live else None
         except BaseException:
             pool.close()
             raise
