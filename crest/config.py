@@ -29,6 +29,7 @@ __all__ = [
     "ENV_FAULT_PAUSE",
     "FAULT_STAGES",
     "KEEP_RULES",
+    "DEFAULT_SUFFIX_RULE",
     "SUFFIX_RULES",
     "NAME_RE",
     "SELECTION_MODES",
@@ -68,6 +69,7 @@ KEEP_RULES = ("count", "savings", "marginal")  # which n-grams of a length are k
 # prune = decided at ingest (a row is kept only where the client's `expected` rule would ever draft from it),
 # auto = prune or every row read by its longest suffix, whichever drafts better on a held-out slice of the corpus
 SUFFIX_RULES = ("lookup", "backoff", "prune", "auto")
+DEFAULT_SUFFIX_RULE = "prune"  # one row per lookup, drafting what the client's `expected` rule drafts on every row
 DEFAULT_TOP_T = 100_000  # n-grams kept per n when neither top_t nor budget is given
 DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (the most recent ones)
 DEFAULT_LEARN_DENSE_WINDOW = 50_000  # recorded hidden states a live version's dense part holds (the most recent)
@@ -93,7 +95,7 @@ class IngestOptions:
     single_n: int | None = None
     blob_format: int = 2  # 2: compact (bit-packed, ranked tokens); 1: byte arrays, cheaper to decode
     keep: str = "count"  # count: top-t by count | savings, marginal: by expected saved tokens (crest.ingest.selection)
-    suffix_rule: str = "lookup"  # lookup | backoff | prune | auto: the tree each row holds (crest.ingest.suffixes)
+    suffix_rule: str = DEFAULT_SUFFIX_RULE  # prune | lookup | backoff | auto: crest.ingest.suffixes
 
     def validate(self) -> IngestOptions:
         """Return self, or raise ConfigError naming the first bad value."""

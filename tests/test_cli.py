@@ -176,20 +176,29 @@ def test_lookup_says_which_suffix_matched_and_takes_the_rule(
     db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    # "on" is followed by "mat" 300 times; the 4-gram "the cat sat on" once, by "a": the expected rule drafts
-    # from the common 1-token suffix, the longest rule from the rare 4-token one
+    # "on" is followed by "mat" 300 times; the 4-gram "the cat sat on" once, by "a": on an unpruned build the
+    # expected rule drafts from the common 1-token suffix, the longest rule from the rare 4-token one. The default
+    # build (prune) keeps only the rows expected drafts from: both rules fetch the 1-token row, the store decided
     corpus = write_corpus(tmp_path / "c.jsonl", ["dog on mat"] * 150 + ["the cat sat on a"])
-    ingest([str(corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=IngestOptions())
+    for store, rule_name in (("words", "lookup"), ("pruned", "prune")):
+        options = IngestOptions(suffix_rule=rule_name)
+        ingest([str(corpus)], store=store, tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=options)
     monkeypatch.setenv("CREST_DATABASE_URL", db_dsn)
     text = "the cat sat on"
-    for rule, n, suffix, first in [("expected", 1, ["on"], "mat"), ("longest", 4, text.split(), "a")]:
-        code, out, err = run(monkeypatch, capsys, "lookup", "--store", "words", text, "--rule", rule, "--json")
+    cases = [
+        ("words", "expected", "expected", 1, ["on"], "mat"),
+        ("words", "longest", "longest", 4, text.split(), "a"),
+        ("pruned", "expected", "prune", 1, ["on"], "mat"),
+        ("pruned", "longest", "prune", 1, ["on"], "mat"),
+    ]
+    for store, rule, shown, n, suffix, first in cases:
+        code, out, err = run(monkeypatch, capsys, "lookup", "--store", store, text, "--rule", rule, "--json")
         found = json.loads(out)
-        assert code == 0 and (found["rule"], found["n"], found["suffix"]["text"]) == (rule, n, suffix), (out, err)
+        assert code == 0 and (found["rule"], found["n"], found["suffix"]["text"]) == (shown, n, suffix), (out, err)
         assert found["text"][0] == first
-        code, out, _ = run(monkeypatch, capsys, "lookup", "--store", "words", text, "--rule", rule)
+        code, out, _ = run(monkeypatch, capsys, "lookup", "--store", store, text, "--rule", rule)
         quoted = " ".join(repr(word) for word in suffix)
-        assert code == 0 and f"matched suffix {quoted} ({n} token(s), rule {rule})" in " ".join(out.split()), out
+        assert code == 0 and f"matched suffix {quoted} ({n} token(s), rule {shown})" in " ".join(out.split()), out
     monkeypatch.setenv("CREST_SUFFIX_RULE", "longest")
     assert json.loads(run(monkeypatch, capsys, "lookup", "--store", "words", text, "--json")[1])["n"] == 4
     code, out, err = run(monkeypatch, capsys, "lookup", "--store", "words", text, "--rule", "shortest")

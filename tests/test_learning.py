@@ -8,6 +8,7 @@ appends from several processes lose nothing; the reader role may append to the l
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import signal
 import uuid
@@ -30,6 +31,7 @@ from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError, StoreNotFound
 from crest.ingest.pipeline import ingest
 from crest.learning import append_learned, forget, read_window, refresh_live
+from crest.learning.live import live_suffix_rule
 from tests.fix_corpus import write_jsonl
 from tests.fix_learning import OPTIONS, STATIC_TEXT, published, start_paused_refresh, version_rows, wait_until_unlocked
 
@@ -162,7 +164,8 @@ def test_refresh_publishes_a_live_version_equal_to_an_ingest_of_the_same_documen
     assert done is not None and done.rows == len(SERVED) and done.tokens == sum(map(len, served))
 
     corpus = write_jsonl(tmp_path / "served.jsonl", [{"text": t} for t in SERVED])
-    reference = ingest([str(corpus)], store="reference", tokenizer=str(word_tokenizer_dir), dsn=dsn, options=OPTIONS)
+    options = dataclasses.replace(OPTIONS, suffix_rule=live_suffix_rule(OPTIONS.suffix_rule))  # never pruned
+    reference = ingest([str(corpus)], store="reference", tokenizer=str(word_tokenizer_dir), dsn=dsn, options=options)
     expected = {row for row in decoded_rows(dsn, reference.store_id) if row[2] >= 2}  # the live tier's min count
     assert expected and done.ngrams == len(expected)
     assert decoded_rows(dsn, done.store_id) == expected  # the same trees, ranked by another token table

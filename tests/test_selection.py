@@ -144,7 +144,9 @@ def test_keep_rules_keep_as_many_rows_per_selection(db_dsn: str, selection: str)
     offsets = np.r_[0, np.cumsum([len(d) for d in docs])].astype(np.int64)
     kept = {}
     for keep in ("count", "savings", "marginal"):
-        opts = IngestOptions(max_n=4, top_t=10, selection=selection, single_n=2, continuation_length=2, keep=keep)
+        opts = IngestOptions(
+            max_n=4, top_t=10, selection=selection, single_n=2, continuation_length=2, keep=keep, suffix_rule="lookup"
+        )  # every selected row stays (prune would drop some)
         summary = build_store(tokens, offsets, store=keep, dsn=db_dsn, vocabulary=vocabulary(), options=opts)
         kept[keep] = summary.rows
         assert len(stored(db_dsn, keep)) == summary.rows

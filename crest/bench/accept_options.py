@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from crest.config import DEFAULT_DENSE_PRECISION, KEEP_RULES, IngestOptions
+from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_SUFFIX_RULE, KEEP_RULES, IngestOptions
 from crest.db.dense import PRECISIONS
 from crest.drafters.registry import names
 from crest.errors import ConfigError
@@ -39,7 +39,7 @@ class AcceptOptions:
     percents: tuple[float, ...] = REST_PERCENTS
     top_t: tuple[int, ...] = ()  # empty: chosen to give sizes in REST's range
     keep: tuple[str, ...] = ("count",)  # savings, marginal: also a store per top-t at the count store's bytes
-    suffix_rule: str = "lookup"  # the tree each row holds (crest.ingest.suffixes); backoff stores are named _backoff
+    suffix_rule: str = DEFAULT_SUFFIX_RULE  # the tree each row holds (crest.ingest.suffixes); stores: _<rule>
     suffix_judge: tuple[str, ...] = ()  # auto: the documents it chooses on (else a held-out slice)
     max_n: int = 4
     limit: int | None = None

@@ -62,7 +62,8 @@ def lookup_text(
             raise FingerprintMismatch(f"store {store!r} was built with another tokenizer than {tok.spec!r}")
         ids = tok.encode(text)
         draft = handle.draft(ids, max_nodes=max_nodes, tier="static")  # the published version's own row
-        used = handle.rule
+        built = str(handle.info.params.get("suffix_rule", "lookup"))
+        used = handle.rule if built == "lookup" else built  # decided at ingest: the one row fetched drafts
         source = tree_source(dsn, handle, ids[len(ids) - draft.n :] if draft is not None and draft.n else [], used)
     tokens = draft.tokens.tolist() if draft is not None else []
     suffix = ids[len(ids) - draft.n :] if draft is not None and draft.n else []

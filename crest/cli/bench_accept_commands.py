@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Chat, Device, Dsn, Dtype, MaxDraftTokens, MaxNewTokens, Model, SuffixJudge, SuffixRule
-from crest.config import DEFAULT_DENSE_PRECISION
+from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_SUFFIX_RULE
 
 
 def bench_accept_cmd(
@@ -43,7 +43,7 @@ def bench_accept_cmd(
             "per top-t, built with the count store's bytes as its --budget).",
         ),
     ] = "count",
-    suffix_rule: SuffixRule = "lookup",
+    suffix_rule: SuffixRule = DEFAULT_SUFFIX_RULE,
     suffix_judge: SuffixJudge = None,
     max_n: Annotated[int, typer.Option(help="crest stores' largest n.")] = 4,
     limit: Annotated[int | None, typer.Option(help="First N prompts only.")] = None,

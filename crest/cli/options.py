@@ -100,14 +100,15 @@ SuffixRule = Annotated[
         "--suffix-rule",
         envvar="CREST_BUILD_SUFFIX_RULE",
         show_envvar=True,
-        help="The tree each stored n-gram's row holds: lookup (its own; the client's suffix rule chooses among a "
-        "context's stored suffixes at each lookup), backoff (decided here: its own tree merged with its "
-        "suffixes', as n-gram models back off, so a lookup fetches one row) or prune (its own, kept only where "
-        "the client's expected rule would draft from it: a lookup fetches one row and drafts what expected "
-        "drafts on the whole store, in fewer bytes) or auto (prune, or every row read by its longest suffix, "
-        "whichever drafts better on a held-out 1% of the corpus, at the positions whose surrounding text the "
-        "rest never holds verbatim; chosen by a trial build without that 1%, then built from the whole corpus; "
-        "or on --suffix-judge, which --engine spark needs).",
+        help="The tree each stored n-gram's row holds: prune (its own, kept only where the client's expected rule "
+        "would draft from it: a lookup fetches one row and drafts what expected drafts on every row, in a "
+        "fraction of the bytes), lookup (every row, its own tree; the client's suffix rule chooses among a "
+        "context's stored suffixes at each lookup, fetched together), backoff (its own tree merged with its "
+        "suffixes', as n-gram models back off, so a lookup fetches one row) or auto (prune, or every row read "
+        "by its longest suffix, whichever drafts better on a held-out 1% of the corpus, at the positions whose "
+        "surrounding text the rest never holds verbatim; chosen by a trial build without that 1%, then built from "
+        "the whole corpus; or on --suffix-judge, which --engine spark needs). With --budget, prune fills the "
+        "budget with the rows it keeps.",
     ),
 ]
 SuffixJudge = Annotated[

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, SuffixJudge, SuffixRule, Tokenizer
-from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_TOP_T
+from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_SUFFIX_RULE, DEFAULT_TOP_T
 
 
 def database(dsn: str | None) -> str:
@@ -54,7 +54,7 @@ def ingest(
     selection: Annotated[str, typer.Option(help="combined (top-t of each n), single or upto.")] = "combined",
     single_n: Annotated[int | None, typer.Option(help="The n for --selection single.")] = None,
     keep: Keep = "count",
-    suffix_rule: SuffixRule = "lookup",
+    suffix_rule: SuffixRule = DEFAULT_SUFFIX_RULE,
     suffix_judge: SuffixJudge = None,
     blob_format: Annotated[
         int,

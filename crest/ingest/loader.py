@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
+from crest_client.choice import promise
 from crest_client.codec import TokenTable, encode_tree, token_width
 from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 from crest.config import IngestOptions, fault_pause
 from crest.ingest.ngrams import Selected, lengths_for, select_top
+from crest.ingest.pruned_budget import PrunedBytes, first_over
 from crest.ingest.selection import load_savings
 from crest.ingest.trees import TreeBatch, build_trees
 
@@ -226,11 +228,13 @@ class RowLoader:
         ceiling = max(int(counts.unique(n)) for n in ns)
         full = self.frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
         advance = rep.stage("build trees + load (budget)", None)
+        pruned = PrunedBytes(self.width) if opts.suffix_rule == "prune" else None  # fill it with the rows kept
         spent, lo, block = 0, 0, 4096
         while lo < ceiling:
             hi = min(ceiling, lo + block)
             per_n: dict[int, list[tuple[int, bytes, int, bytes, int]]] = {}
             rank_bytes = np.zeros(hi - lo, dtype=np.int64)
+            meta: dict[str, list[Any]] = {"keys": [], "ranks": [], "promises": [], "sizes": []}  # PrunedBytes.block's
             for n, sel in full.items():
                 part = sel.ngrams[lo:hi]
                 if len(part) == 0:
@@ -240,8 +244,13 @@ class RowLoader:
                 ranks = np.array([r[0] for r in rows], dtype=np.int64)
                 sizes = estimate_row_bytes(n * self.width, np.array([len(r[3]) for r in rows], dtype=np.int64))
                 np.add.at(rank_bytes, ranks, sizes)
-            cum = spent + np.cumsum(rank_bytes)
-            fit = int(np.searchsorted(cum, opts.budget, side="right"))  # ranks lo..lo+fit-1 fit
+                if pruned is not None:
+                    meta["keys"] += [r[1] for r in rows]
+                    meta["ranks"] += (lo + ranks).tolist()
+                    meta["promises"] += [promise(n, r[2], r[3], max_matches=opts.max_matches) for r in rows]
+                    meta["sizes"] += sizes.tolist()
+            cum = spent + np.cumsum(rank_bytes) if pruned is None else pruned.block(lo, hi, **meta)
+            fit = first_over(cum, opts.budget)  # ranks lo..lo+fit-1 fit
             for n, rows in per_n.items():
                 self.build.copy_ngrams(self.account(n, [r for r in rows if r[0] < fit], advance))
             if fit < hi - lo:

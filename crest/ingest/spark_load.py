@@ -1,9 +1,11 @@
 """Loading rank blocks on Spark: select the n-grams of a block, sample, build and COPY their rows on executors.
 
 The driver collects the selected keys of one block (to broadcast them), sums the estimated bytes of the block's
-rows per rank segment (with `--budget`: the ranks that fit follow, as in-process, from the cumulative bytes),
-and collects what each COPY task wrote; the rows themselves stay on the executors (with `--suffix-rule prune`,
-each copied row's key and rank too, for `spark_prune`; with `auto`, in case it chooses `prune`).
+rows per rank segment (with `--budget`: the ranks that fit follow, as in-process, from the cumulative bytes; under
+`--suffix-rule prune` from the bytes left after pruning, `crest.ingest.pruned_budget`, for which it collects each
+row's key, rank, promise and size), and collects what each COPY task wrote; the rows themselves stay on the
+executors (with `--suffix-rule prune`, each copied row's key and rank too, for `spark_prune`; with `auto`, in case
+it chooses `prune`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from crest_client.choice import promise
 from crest_client.codec import TokenTable
 
 from crest.config import IngestOptions
 from crest.ingest.loader import Reporter, SilentReporter, estimate_row_bytes
 from crest.ingest.ngrams import lengths_for
+from crest.ingest.pruned_budget import PrunedBytes, first_over
 from crest.ingest.spark_prune import row_records
 from crest.ingest.spark_tasks import (
     LoadStats,
@@ -82,11 +86,15 @@ class Loader:
             advance(sum(s.copied for s in self.stats))
             return opts.top_t
         ceiling = max(counted[n] for n in self.ns)
+        pruned = PrunedBytes(self.job.width) if opts.suffix_rule == "prune" else None  # fill it with the rows kept
         spent, lo, size = 0, 0, FIRST_BLOCK
         while lo < ceiling:
             hi = min(ceiling, lo + size)
             rows = self._rows(lo, hi)
-            fit, block_bytes = self._fit(rows, lo, hi, spent, opts.budget)
+            if pruned is None:
+                fit, block_bytes = self._fit(rows, lo, hi, spent, opts.budget)
+            else:
+                fit, block_bytes = self._fit_pruned(rows, lo, hi, pruned, opts.budget), 0
             self._copy(rows, lo + fit)
             if fit < hi - lo:
                 return lo + fit
@@ -201,6 +209,20 @@ class Loader:
         fine = rows.map(per_rank).fold(np.zeros(b - a, dtype=np.int64), lambda x, y: x + y)
         before = int(cum[s - 1]) if s else spent
         return a + int(np.searchsorted(before + np.cumsum(fine), budget, side="right")), int(seg.sum())
+
+    def _fit_pruned(self, rows: RDD[Any], lo: int, hi: int, pruned: PrunedBytes, budget: int) -> int:
+        """Return how many ranks of [lo, hi) fit the budget once pruned (the block's rows' figures on the driver)."""
+        width, k = self.job.width, self.job.options.max_matches
+
+        def meta(r: Rows) -> Iterator[tuple[bytes, int, float, int]]:
+            sizes = _row_bytes(r, width).tolist()
+            columns = (r.keys, r.ranks.tolist(), r.counts.tolist(), r.blobs, sizes)
+            for key, at, count, blob, size in zip(*columns, strict=True):
+                yield key, at, promise(r.n, count, blob, max_matches=k), size
+
+        got = rows.flatMap(meta).collect()  # 30-60 bytes a row: what the in-process build holds of every row too
+        keys, ranks, promises, sizes = (list(c) for c in zip(*got, strict=True)) if got else ([], [], [], [])
+        return first_over(pruned.block(lo, hi, keys=keys, ranks=ranks, promises=promises, sizes=sizes), budget)
 
     def _copy(self, rows: RDD[Any], limit: int) -> None:
         """Have each row partition COPY its rows ranked below `limit` (once, whatever the retries)."""

@@ -236,4 +236,6 @@ def live_suffix_rule(static_rule: str) -> str:
 def static_options(params: dict[str, Any]) -> IngestOptions:
     """Return the build options recorded in a version's params (other keys ignored)."""
     names = {f.name for f in dataclasses.fields(IngestOptions)}
-    return IngestOptions(**{k: v for k, v in params.items() if k in names})
+    recorded = {k: v for k, v in params.items() if k in names}
+    recorded.setdefault("suffix_rule", "lookup")  # built before the option existed: every row, its own tree
+    return IngestOptions(**recorded)
