@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from crest.ingest.suffixes import kept_by_prune
+
 
 class PrunedBytes:
     """The bytes a pruned store holds with the rows ranked below each rank, as rank blocks are built."""
@@ -58,7 +60,8 @@ class PrunedBytes:
         drops: dict[bytes, tuple[int, int]] = {}  # earlier rows a suffix of this block outranks -> (rank, size)
         for suffix, r, p in zip(keys, ranks, promises, strict=True):
             for key, waited, size in self.waiting.pop(suffix, ()):  # a suffix that does not outrank it never will
-                if key not in self.dropped and float(p) > waited and int(r) < drops.get(key, (hi, 0))[0]:
+                outranks = self._outranks(float(p), suffix, waited, key)
+                if key not in self.dropped and outranks and int(r) < drops.get(key, (hi, 0))[0]:
                     drops[key] = (int(r), size)
         for key, (r, size) in drops.items():
             events[r - lo] -= size
@@ -66,6 +69,11 @@ class PrunedBytes:
         cum = self.spent + np.cumsum(events)
         self.spent = int(cum[-1]) if len(cum) else self.spent
         return cum
+
+    def _outranks(self, promise: float, suffix: bytes, row_promise: float, row: bytes) -> bool:
+        """Return whether a stored suffix of a row makes pruning drop the row (`kept_by_prune`'s rule)."""
+        w = self.width
+        return not kept_by_prune((row_promise, len(row) // w), (promise, len(suffix) // w))
 
     def _drop_rank(self, key: bytes, promise: float) -> tuple[int | None, list[bytes]]:
         """Return the first rank of a built suffix more promising than the row (None: none), and its absent suffixes."""
@@ -75,7 +83,7 @@ class PrunedBytes:
             found = self.built.get(key[cut:])
             if found is None:
                 absent.append(key[cut:])
-            elif found[1] > promise and (drop is None or found[0] < drop):
+            elif self._outranks(found[1], key[cut:], promise, key) and (drop is None or found[0] < drop):
                 drop = found[0]
         return drop, absent
 
