@@ -156,6 +156,55 @@ def test_busy_polling_for_the_answer_drafts_what_sleeping_does(
     assert answered_polling == (polling.stats["queries"] if idle else 0)
 
 
+@pytest.mark.parametrize(
+    ("env", "given", "timeout", "spin"),
+    [
+        ({}, {}, 0.01, 0.0002),
+        ({"CREST_LOOKUP_TIMEOUT": "0.75", "CREST_LOOKUP_SPIN": "0"}, {}, 0.75, 0.0),
+        ({"CREST_LOOKUP_TIMEOUT": "0.75", "CREST_LOOKUP_SPIN": "0"}, {"timeout": 2.0, "spin": 0.001}, 2.0, 0.001),
+    ],
+    ids=["defaults", "environment", "arguments-win"],
+)
+def test_lookup_timeout_and_spin_come_from_the_environment_unless_given(
+    db_dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    given: dict[str, float],
+    timeout: float,
+    spin: float,
+) -> None:
+    publish(db_dsn, "demo", ROWS)
+    for name in ("CREST_LOOKUP_TIMEOUT", "CREST_LOOKUP_SPIN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with Store.connect(db_dsn, "demo", cache_size=0, timeout=given.get("timeout"), spin=given.get("spin")) as handle:
+        assert (handle._conns.timeout, handle._conns.spin) == (timeout, spin)
+        with handle._conns.pool.connection() as conn:  # the server cancels a lookup at the same timeout
+            shown = conn.execute("SELECT setting FROM pg_settings WHERE name = 'statement_timeout'").fetchone()
+        assert shown is not None and shown[0] == str(round(timeout * 1000))  # milliseconds
+        assert handle.draft([1, 2, 3, 4, 5]) is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CREST_LOOKUP_TIMEOUT", "0"),
+        ("CREST_LOOKUP_TIMEOUT", "ten"),
+        ("CREST_LOOKUP_SPIN", "-1"),
+        ("CREST_LOOKUP_SPIN", "nan"),
+    ],
+    ids=["zero-timeout", "word", "negative-spin", "nan"],
+)
+def test_a_bad_lookup_timing_variable_is_a_clear_error(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    publish(db_dsn, "demo", ROWS)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(CrestClientError, match=f"{name} must be a number of seconds"):
+        Store.connect(db_dsn, "demo")
+
+
 LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}
 
 

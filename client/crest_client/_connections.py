@@ -30,12 +30,31 @@ import psycopg
 from psycopg import pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from crest_client.errors import ConnectionUnavailable
+from crest_client.errors import ConnectionUnavailable, CrestClientError
 from crest_client.lookup import check_result
 
 POOL_PREFIX = "crest-client-"  # the names of the SDK's pools, whose failures `Store` reports itself, once
 
 SPIN = 0.0002  # seconds a lookup busy-polls for its answer while a CPU is idle, before it sleeps in select
+LOOKUP_TIMEOUT = 0.01  # seconds a lookup may take: the server's statement_timeout and the client's clock
+ENV_LOOKUP_TIMEOUT = "CREST_LOOKUP_TIMEOUT"  # seconds, for handles that do not pass `timeout`
+ENV_LOOKUP_SPIN = "CREST_LOOKUP_SPIN"  # seconds, for handles that do not pass `spin` (0: always sleep)
+
+
+def resolve_seconds(value: float | None, *, env: str, default: float, zero: bool = True) -> float:
+    """Return `value`, else the seconds the environment variable `env` holds, else `default`; raise on a bad one."""
+    if value is not None:
+        return float(value)
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0))):
+        raise CrestClientError(f"{env} must be a number of seconds {'>=' if zero else '>'} 0, got {text!r}")
+    return seconds
 
 
 def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_timeout: float) -> ConnectionPool:

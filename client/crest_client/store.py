@@ -29,7 +29,16 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from crest_client._batch_lookup import fetch_drafts
 from crest_client._cache import TierCaches
-from crest_client._connections import SPIN, Connections, LookupTimeout, open_pool
+from crest_client._connections import (
+    ENV_LOOKUP_SPIN,
+    ENV_LOOKUP_TIMEOUT,
+    LOOKUP_TIMEOUT,
+    SPIN,
+    Connections,
+    LookupTimeout,
+    open_pool,
+    resolve_seconds,
+)
 from crest_client.choice import resolve_rule
 from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
@@ -55,7 +64,7 @@ class Store:
         *,
         tokenizer_fingerprint: str | None = None,
         cache_size: int = 4096,
-        timeout: float = 0.01,
+        timeout: float = LOOKUP_TIMEOUT,
         refresh_interval: float = 1.0,
         live: StoreInfo | None = None,
         follow_live: bool = True,
@@ -90,14 +99,14 @@ class Store:
         *,
         tokenizer_fingerprint: str | None = None,
         cache_size: int = 4096,
-        timeout: float = 0.01,
+        timeout: float | None = None,
         refresh_interval: float = 1.0,
         pool_size: int = 4,
         connect_timeout: float = 10.0,
         live: bool = True,
         rule: str | None = None,
         write_dsn: str | None = None,
-        spin: float = SPIN,
+        spin: float | None = None,
     ) -> Store:
         """Connect to the published store `name` (DSN: argument, else CREST_READ_DATABASE_URL, else as writers).
 
@@ -105,9 +114,13 @@ class Store:
         `draft_parts` and `draft_many_parts` return its candidates beside the static ones. The DSN may name
         several servers (`host=a,b port=p,q`, `target_session_attrs`, `load_balance_hosts`): a connection that
         breaks is replaced by one to the first server that answers (`crest_client.hosts`). A lookup busy-polls
-        for its answer for up to `spin` seconds while the machine has an idle CPU (0: it always sleeps).
+        for its answer for up to `spin` seconds while the machine has an idle CPU (0: it always sleeps). A lookup
+        may take `timeout` seconds; unset, `timeout` and `spin` come from CREST_LOOKUP_TIMEOUT and CREST_LOOKUP_SPIN,
+        else 0.01 and 0.0002 (a database across a network may need a longer timeout: past it, no draft).
         """
         check_store_name(name)
+        timeout = resolve_seconds(timeout, env=ENV_LOOKUP_TIMEOUT, default=LOOKUP_TIMEOUT, zero=False)
+        spin = resolve_seconds(spin, env=ENV_LOOKUP_SPIN, default=SPIN)
         given = dsn  # also where `learn` writes, unless write_dsn names the primary
         dsn = check_dsn(resolve_read_dsn(dsn))
         pool = open_pool(dsn, name, timeout=timeout, pool_size=pool_size, connect_timeout=connect_timeout)
