@@ -411,7 +411,8 @@ def test_vllm_with_crest_is_exact_and_accepts_store_drafts(served: Any) -> None:
     after = served.server.counters()
     drafted = after["draft_tokens_total"] - before.get("draft_tokens_total", 0.0)
     accepted = after["accepted_tokens_total"] - before.get("accepted_tokens_total", 0.0)
-    assert drafted > 0 and accepted >= 10, (drafted, accepted)  # drafter crest: every draft is the store's
+    # drafter crest: every draft is the store's (the server's log says why, should it draft little)
+    assert drafted > 0 and accepted >= 10, (drafted, accepted, served.server.tail(60))
     deadline = time.monotonic() + 300  # the proposer's learner writes in the background: slow on a loaded machine
     rows: list[Any] = []
     while time.monotonic() < deadline and len(rows) < len(PROMPTS):  # each finished request teaches the store
