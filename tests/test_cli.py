@@ -289,8 +289,14 @@ def test_stores_fit_80_columns(db_dsn: str, word_tokenizer_dir: Path, tmp_path: 
     for name in ("stdlib", "a_store_with_a_long_descriptive_name"):
         ingest([str(corpus)], store=name, tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=options)
     with psycopg.connect(db_dsn, autocommit=True) as conn:  # README-sized figures, the widest cells
-        figures = json.dumps({"kept": {"1": 224_000, "2": 1_000_000}, "tokens": 12_345_678})
-        conn.execute("UPDATE crest_stores SET figures = %s", (figures,))
+        figures = {"kept": {"1": 224_000, "2": 1_000_000}, "tokens": 12_345_678}
+        conn.execute("UPDATE crest_stores SET figures = %s", (json.dumps(figures),))
+        chose = json.dumps({**figures, "suffix_choice": {"rule": "longest"}})  # what an `auto` build records
+        conn.execute(
+            "UPDATE crest_stores SET figures = %s, params = jsonb_set(params, '{suffix_rule}', '\"auto\"')"
+            " WHERE name = 'a_store_with_a_long_descriptive_name'",
+            (chose,),
+        )
     env = {**os.environ, "COLUMNS": "80", "CREST_DATABASE_URL": db_dsn}
     for extra in ([], ["--all"]):
         done = subprocess.run(
@@ -298,10 +304,11 @@ def test_stores_fit_80_columns(db_dsn: str, word_tokenizer_dir: Path, tmp_path: 
         )
         assert done.returncode == 0, done.stderr
         assert "…" not in done.stdout and max(len(line) for line in done.stdout.splitlines()) <= 80, done.stdout
-        for value in ("stdlib", "a_store_with_a_long_descriptive_name", "1,224,000", "12,345,678"):
+        for value in ("stdlib", "a_store_with_a_long_descriptive_name", "1,224,000", "12,345,678", "auto:longest"):
             assert value in done.stdout, done.stdout
         assert len(re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d", done.stdout)) == 2, done.stdout
         assert ("state" in done.stdout) == bool(extra)  # a column or a line of each block, with --all only
+        assert re.search(r"\bprune\b", done.stdout), "the default build's rule"
 
 
 def test_db_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -173,7 +173,8 @@ def print_stores(rows: list[dict[str, Any]], *, as_json: bool = False, show_stat
     if not rows:
         out.print("no store yet: run crest ingest")
         return
-    columns = ["store", "version", "tier", *(["state"] if show_state else []), "n-grams", "tokens", "size", "B/n-gram"]
+    columns = ["store", "version", "tier", *(["state"] if show_state else []), "rule", "n-grams", "tokens", "size"]
+    columns += ["B/n-gram"]
     columns += ["learned", "published"]
     _print_records("crest stores", columns, [_store_line(row, show_state=show_state) for row in rows])
 
@@ -188,6 +189,7 @@ def _store_line(row: dict[str, Any], *, show_state: bool) -> list[str]:
         str(row["id"]),
         str(row.get("tier", "static")),
         *([str(row["state"])] if show_state else []),
+        _suffix_rule(row),
         f"{kept:,}",
         f"{figures.get('tokens', 0):,}",
         _mb(size),
@@ -195,6 +197,15 @@ def _store_line(row: dict[str, Any], *, show_state: bool) -> list[str]:
         _mb(int(row["learned_bytes"])) if row.get("learned_rows") else "-",  # the store's, on each of its versions
         published.strftime("%Y-%m-%d %H:%M") if published is not None else "-",
     ]
+
+
+def _suffix_rule(row: dict[str, Any]) -> str:
+    """Return the tree each of a version's rows holds (`--suffix-rule`; auto: what it chose)."""
+    rule = str((row.get("params") or {}).get("suffix_rule", "lookup"))  # none recorded: built before the option
+    if rule == "auto":
+        chosen = ((row.get("figures") or {}).get("suffix_choice") or {}).get("rule")
+        return f"auto:{chosen}" if chosen else rule
+    return rule
 
 
 def print_query(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, as_json: bool = False) -> None:
