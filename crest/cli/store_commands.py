@@ -43,10 +43,13 @@ def ingest(
         typer.Option(
             help=f"Keep the T most common n-grams of each n (default {DEFAULT_TOP_T:,} when no --budget). A store "
             "can hold a few less: an n-gram whose every occurrence ends its document has no continuation, so no "
-            "tree, and is not stored; and an n with fewer than T distinct n-grams keeps them all.",
+            "tree, and is not stored; and an n with fewer than T distinct n-grams keeps them all. Of those, "
+            "--suffix-rule prune (the default) keeps only the rows a lookup would draft from.",
         ),
     ] = None,
-    budget: Annotated[str | None, typer.Option(help="Largest T whose store fits this size, e.g. 200MB.")] = None,
+    budget: Annotated[
+        str | None, typer.Option(help="Largest T whose store (its rows left after pruning) fits this size, e.g. 200MB.")
+    ] = None,
     continuation_length: Annotated[int, typer.Option(help="Tokens of continuation per occurrence.")] = 10,
     max_matches: Annotated[int, typer.Option(help="Occurrences sampled per n-gram at most.")] = 5000,
     tree_size: Annotated[int, typer.Option(envvar="CREST_TREE_SIZE", help="Nodes kept per tree.")] = 64,
