@@ -2,14 +2,16 @@
 
 A budget build loads rank blocks (ranks lo..hi of each n at once) until the next rank no longer fits. Under `prune`
 the store keeps only the rows the `expected` rule would draft from, so the budget must be filled with the bytes of
-the rows left after pruning, not of the rows loaded, or a pruned store ends a tenth of its budget. Pruning keeps a
+the rows left after pruning, not of the rows loaded, or a pruned store ends a fraction of its budget. Pruning keeps a
 row g among the rows ranked below r when no stored proper suffix s of g ranked below r is more promising
 (`crest_client.choice.promise`; ties go to the longer row, `crest.ingest.suffixes.kept_by_prune`). Adding ranks
 only adds suffixes, so g is kept from its own rank up to its drop rank, the first rank of a more promising suffix:
 its bytes count on [rank(g), drop(g)). `PrunedBytes` keeps each built row's rank and promise, and the rows not yet
 dropped under each suffix key not yet built, so the bytes at every rank of a block are known once the block's rows
 are built, whatever the order the suffixes arrive in. Both engines call it (`crest.ingest.loader`,
-`crest.ingest.spark_load`); memory: a few dozen bytes per built row, as the build's key list.
+`crest.ingest.spark_load`). Memory: about 400 bytes per built row in Python objects (dict entries, waiting lists),
+on top of the build's own key list: the standard library at 8 MB, 1.44M rows built, peaked at 1.2 GB RSS against
+0.64 GB for the `lookup` build of the same budget.
 """
 
 from __future__ import annotations
