@@ -15,7 +15,8 @@ else `CREST_SUFFIX_RULE`, else `DEFAULT_RULE`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from crest_client.codec import decode_tree
 from crest_client.errors import CrestClientError
@@ -28,6 +29,11 @@ PRIOR = 256.0  # pseudo-occurrences added to every tree's count (docs/benchmarks
 # passes them over for short common suffixes, so a live tier drafts from its longest stored suffix
 # (docs/learning.md, "Which suffix the live tier drafts from").
 LIVE_RULE = "longest"
+
+
+def built_rule(params: Mapping[str, Any] | None) -> str:
+    """Return the `--suffix-rule` a version's params record; `lookup` (every row, its own tree) when none is."""
+    return str((params or {}).get("suffix_rule") or "lookup")  # none: built before the option existed
 
 
 def rule_for(tier: str, rule: str) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import psycopg
 from crest_client import Store
+from crest_client.choice import built_rule
 from crest_client.draft import Draft
 from crest_client.store import SPIN
 
@@ -62,7 +63,7 @@ def lookup_text(
             raise FingerprintMismatch(f"store {store!r} was built with another tokenizer than {tok.spec!r}")
         ids = tok.encode(text)
         draft = handle.draft(ids, max_nodes=max_nodes, tier="static")  # the published version's own row
-        built = str(handle.info.params.get("suffix_rule", "lookup"))
+        built = built_rule(handle.info.params)
         used = handle.rule if built == "lookup" else built  # decided at ingest: the one row fetched drafts
         source = tree_source(dsn, handle, ids[len(ids) - draft.n :] if draft is not None and draft.n else [], used)
     tokens = draft.tokens.tolist() if draft is not None else []
@@ -81,7 +82,7 @@ def tree_source(dsn: str, handle: Store, suffix: list[int], rule: str) -> str:
     """Return where the matched suffix's stored tree came from: its own n-gram's, or decided at ingest."""
     if not suffix:
         return ""
-    built = str(handle.info.params.get("suffix_rule", "lookup"))
+    built = built_rule(handle.info.params)
     if built == "lookup":
         return f"its own occurrences (the {rule} rule chose this suffix at lookup)"
     keys = handle.candidate_keys(suffix)  # the matched n-gram and its suffixes the filter may hold, longest first

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from crest_client.choice import built_rule
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -201,7 +202,7 @@ def _store_line(row: dict[str, Any], *, show_state: bool) -> list[str]:
 
 def _suffix_rule(row: dict[str, Any]) -> str:
     """Return the tree each of a version's rows holds (`--suffix-rule`; auto: what it chose)."""
-    rule = str((row.get("params") or {}).get("suffix_rule", "lookup"))  # none recorded: built before the option
+    rule = built_rule(row.get("params"))
     if rule == "auto":
         chosen = ((row.get("figures") or {}).get("suffix_choice") or {}).get("rule")
         return f"auto:{chosen}" if chosen else rule

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from crest_client.choice import built_rule
 
 from crest import db
 from crest.config import (
@@ -237,5 +238,5 @@ def static_options(params: dict[str, Any]) -> IngestOptions:
     """Return the build options recorded in a version's params (other keys ignored)."""
     names = {f.name for f in dataclasses.fields(IngestOptions)}
     recorded = {k: v for k, v in params.items() if k in names}
-    recorded.setdefault("suffix_rule", "lookup")  # built before the option existed: every row, its own tree
+    recorded["suffix_rule"] = built_rule(params)
     return IngestOptions(**recorded)
