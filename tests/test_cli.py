@@ -152,6 +152,7 @@ READERS = [
     ("lookup", ["lookup", "--store", "s", "x"], EXIT_FAILURE, r"no published store named 's'"),
     ("drop", ["drop", "s"], EXIT_FAILURE, r"no published store named 's'"),
     ("bench-lookup", ["bench", "lookup", "--store", "s"], EXIT_FAILURE, r"no published store named 's'"),
+    ("bench-ceiling", ["bench", "ceiling", "-s", "s", "--prompts", "humaneval"], EXIT_FAILURE, r"no published store"),
     ("stores", ["stores"], 0, r"no store yet: run crest ingest"),
     ("query", ["db", "query", "coverage"], 0, r"no rows"),
 ]

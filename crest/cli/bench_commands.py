@@ -1,8 +1,9 @@
 """`crest bench ...` (benchmarks that print figures in one results format) and `crest rest-index build`.
 
 The `bench` group's own commands here are ingest, lookup and generate; learn and learn-loop
-(`crest.cli.bench_learn_commands`), serve (`crest.cli.bench_serve_commands`) and accept
-(`crest.cli.bench_accept_commands`) live in modules of their own and are registered here.
+(`crest.cli.bench_learn_commands`), serve (`crest.cli.bench_serve_commands`), accept
+(`crest.cli.bench_accept_commands`) and ceiling (`crest.cli.bench_ceiling_commands`) live in modules of their own
+and are registered here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.bench_accept_commands import bench_accept_cmd
+from crest.cli.bench_ceiling_commands import bench_ceiling_cmd
 from crest.cli.bench_learn_commands import bench_learn_cmd, bench_learn_loop_cmd
 from crest.cli.bench_serve_commands import bench_serve_cmd
 from crest.cli.display import report_run
@@ -212,3 +214,4 @@ def bench_generate_cmd(
 
 bench_app.command("serve")(bench_serve_cmd)  # registered after generate: `crest bench --help` lists them in this order
 bench_app.command("accept")(bench_accept_cmd)
+bench_app.command("ceiling")(bench_ceiling_cmd)
