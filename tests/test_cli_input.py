@@ -151,10 +151,38 @@ def test_server_stop_when_none_runs_is_no_error(
     assert not (tmp_path / "home").exists(), "stopping creates nothing"
 
 
-# ---- bench generate ----------------------------------------------------------------------------------------------
-
-
 OK = ["--prompts", "{tmp}/ok.jsonl"]
+
+
+# ---- bench ceiling -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        pytest.param(["--prompts", "{tmp}/missing.jsonl"], r"cannot read|does not exist", id="missing-prompts"),
+        pytest.param(["--prompts", "{tmp}/bad.jsonl"], r"line 1 is not valid JSON", id="bad-prompts"),
+        pytest.param(["--prompts", "{tmp}/empty.jsonl"], r"no prompts", id="no-prompts"),
+        pytest.param([*OK, "--limit", "0"], r"--limit must be at least 1", id="limit-0"),
+        pytest.param([*OK, "--max-nodes", "0"], r"--max-nodes", id="no-nodes"),
+        pytest.param([*OK, "--references", "{tmp}/ok.jsonl"], r"is not a folder", id="references-a-file"),
+    ],
+)
+def test_bench_ceiling_bad_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], pattern: str
+) -> None:
+    (tmp_path / "bad.jsonl").write_text("{oops}\n")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "def f(x):"}\n')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code, stdout, err = run(capsys, "bench", "ceiling", "-s", "s", *argv, "--dsn", "postgresql://nobody@127.0.0.1:1/x")
+    assert code == EXIT_USAGE and stdout == "", err
+    assert_one_error_line(err, pattern)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# ---- bench generate ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

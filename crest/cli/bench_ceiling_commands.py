@@ -43,12 +43,16 @@ def bench_ceiling_cmd(
     from crest.errors import ConfigError
 
     started = time.time()
-    if max_nodes < 1 or max_new_tokens < 1:
-        raise ConfigError("--max-nodes and --max-new-tokens must be at least 1")
+    if max_nodes < 1 or max_new_tokens < 1 or (limit is not None and limit < 1):
+        raise ConfigError("--max-nodes, --max-new-tokens and --limit must be at least 1")
+    if references is not None and references.exists() and not references.is_dir():
+        raise ConfigError(f"--references {str(references)!r} is not a folder")
+    texts = load_prompts(prompts, limit=limit)
+    if not texts:
+        raise ConfigError(f"no prompts in {prompts!r}")
     url = database(dsn)
     for name in store:
         check_store(name, dsn=url)  # before the model loads
-    texts = load_prompts(prompts, limit=limit)
     options = ReferenceOptions(device=device, dtype=dtype, max_new_tokens=max_new_tokens)
     found = run_ceiling(
         store,
