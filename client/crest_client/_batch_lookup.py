@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from crest_client._connections import Connections
-from crest_client.choice import built_rule, choose, rule_for
+from crest_client.choice import choose, decided_at_ingest, rule_for
 from crest_client.draft import Draft
 from crest_client.info import StoreInfo
 from crest_client.lookup import (
@@ -78,7 +78,7 @@ def fetches_every(info: StoreInfo, rule: str) -> bool:
 
     A live tier always drafts from its longest stored suffix (`crest_client.choice.rule_for`).
     """
-    return rule_for(info.tier, rule) != "longest" and built_rule(info.params) == "lookup"
+    return rule_for(info.tier, rule) != "longest" and not decided_at_ingest(info.params)
 
 
 def pick_rows(rows: list[Row], info: StoreInfo, *, every: bool) -> list[Row]:

@@ -36,6 +36,11 @@ def built_rule(params: Mapping[str, Any] | None) -> str:
     return str((params or {}).get("suffix_rule") or "lookup")  # none: built before the option existed
 
 
+def decided_at_ingest(params: Mapping[str, Any] | None) -> bool:
+    """Return whether a version's rows were decided at ingest, so a lookup drafts from its longest stored suffix."""
+    return built_rule(params) != "lookup"
+
+
 def rule_for(tier: str, rule: str) -> str:
     """Return the suffix rule a tier is read with: `rule` for the static tier, `LIVE_RULE` for a live one."""
     return rule if tier == "static" else LIVE_RULE

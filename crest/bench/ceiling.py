@@ -2,7 +2,8 @@
 
 A step of the replay (`crest.bench.replay`) can draft from the tree of any stored suffix of the context. A rule
 picks one without knowing what follows: `longest`, or `expected` (`crest_client.choice`), which a pruned build
-decided at ingest. The ceiling picks, with hindsight, the tree whose path matches the most of the known
+decided at ingest (a store decided at ingest is read by its longest stored suffix under either rule, as the SDK
+reads it). The ceiling picks, with hindsight, the tree whose path matches the most of the known
 continuation: no rule that chooses one stored tree per step (of the same size) drafts more, so a rule's gap to the
 ceiling is what a better rule can still win, and the ceiling's gap to a target is what only the stored trees, that
 is the corpus, can buy. Each rule walks the continuation on its own (its steps land on different positions), all
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crest_client.choice import built_rule, choose
+from crest_client.choice import built_rule, choose, decided_at_ingest
 from crest_client.codec import decode_tree
 from crest_client.draft import Draft
 from psycopg import sql
@@ -110,6 +111,7 @@ def measure_ceiling(
     """Replay `longest`, `expected` and the hindsight ceiling on (prompt ids, continuation ids) pairs."""
     reader = SuffixRows(conn, store)
     max_matches = int(store.info.params.get("max_matches", 5000))
+    decided = decided_at_ingest(store.info.params)
     totals = dict.fromkeys(RULES, 0)  # steps per rule
     new_tokens = drafted = no_next = no_suffix = 0
     for prompt_ids, output_ids in pairs:
@@ -126,8 +128,8 @@ def measure_ceiling(
                     accepted = 0
                 elif rule == "longest":
                     accepted = found[0]
-                elif rule == "expected":
-                    accepted = found[choose(rows, max_matches=max_matches)]
+                elif rule == "expected":  # a store decided at ingest is read by its longest row, whatever the rule
+                    accepted = found[0 if decided else choose(rows, max_matches=max_matches)]
                 else:
                     accepted = max(found)
                 if rule == "ceiling" and fits:

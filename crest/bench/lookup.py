@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import psycopg
 from crest_client import Store
-from crest_client.choice import built_rule
+from crest_client.choice import built_rule, decided_at_ingest
 from crest_client.draft import Draft
 from crest_client.store import SPIN
 
@@ -64,7 +64,7 @@ def lookup_text(
         ids = tok.encode(text)
         draft = handle.draft(ids, max_nodes=max_nodes, tier="static")  # the published version's own row
         built = built_rule(handle.info.params)
-        used = handle.rule if built == "lookup" else built  # decided at ingest: the one row fetched drafts
+        used = built if decided_at_ingest(handle.info.params) else handle.rule  # decided: the one row fetched drafts
         source = tree_source(dsn, handle, ids[len(ids) - draft.n :] if draft is not None and draft.n else [], used)
     tokens = draft.tokens.tolist() if draft is not None else []
     suffix = ids[len(ids) - draft.n :] if draft is not None and draft.n else []
@@ -83,7 +83,7 @@ def tree_source(dsn: str, handle: Store, suffix: list[int], rule: str) -> str:
     if not suffix:
         return ""
     built = built_rule(handle.info.params)
-    if built == "lookup":
+    if not decided_at_ingest(handle.info.params):
         return f"its own occurrences (the {rule} rule chose this suffix at lookup)"
     keys = handle.candidate_keys(suffix)  # the matched n-gram and its suffixes the filter may hold, longest first
     query = psycopg.sql.SQL("SELECT n, count FROM {} WHERE key = ANY(%s) ORDER BY n DESC").format(
