@@ -31,12 +31,12 @@ pytest_plugins = ["tests.fix_corpus"]
 
 
 def _build(dsn: str, root: Path, tokenizer: Path) -> None:
-    """Build store `every` (every row, `lookup`) and store `pruned` (pruned at ingest) from the corpus modules."""
+    """Build stores `every` (every row, `lookup`), `pruned` (pruned at ingest) and `every_v1` (format-1 blobs)."""
     root.mkdir(parents=True, exist_ok=True)
     for name in CORPUS:
         shutil.copy(STDLIB / name, root / name.replace("/", "_"))
-    for store, rule in (("every", "lookup"), ("pruned", "prune")):
-        options = IngestOptions(top_t=20_000, max_matches=200, tree_size=NODES, suffix_rule=rule)
+    for store, rule, blobs in (("every", "lookup", 2), ("pruned", "prune", 2), ("every_v1", "lookup", 1)):
+        options = IngestOptions(top_t=20_000, max_matches=200, tree_size=NODES, suffix_rule=rule, blob_format=blobs)
         ingest([str(root)], store=store, tokenizer=str(tokenizer), dsn=dsn, options=options)
 
 
@@ -85,6 +85,14 @@ def test_the_ceiling_is_the_best_stored_suffix_and_the_rules_replay_as_the_sdk(
             hindsight = _hindsight_m(store, pairs)
         with Store.connect(stores, "pruned", cache_size=0, timeout=5.0) as store:
             pruned = measure_ceiling(store, conn, pairs, max_nodes=NODES, max_new_tokens=NEW)
+        with Store.connect(stores, "every_v1", cache_size=0, timeout=5.0) as store:  # format-1 blobs, same trees
+            v1 = measure_ceiling(store, conn, pairs, max_nodes=NODES, max_new_tokens=NEW)
+    assert (v1.longest, v1.expected, v1.ceiling, v1.no_next) == (
+        found.longest,
+        found.expected,
+        found.ceiling,
+        found.no_next,
+    )
     for rule in ("longest", "expected"):
         with Store.connect(stores, "every", cache_size=0, timeout=5.0, rule=rule) as handle:
             assert getattr(found, rule) == _m(StoreDrafter(handle), pairs), rule
