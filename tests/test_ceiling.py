@@ -106,12 +106,21 @@ def test_the_ceiling_is_the_best_stored_suffix_and_the_rules_replay_as_the_sdk(
 
 
 @pytest.mark.slow
-def test_bench_ceiling_decodes_once_then_reads_the_references(db_dsn: str, tmp_path: Path, smollm2_gguf: Path) -> None:
+def test_bench_ceiling_decodes_once_then_reads_the_references(
+    db_dsn: str, tmp_path: Path, smollm2_gguf: Path, word_tokenizer_dir: Path
+) -> None:
     import json
 
     from tests.fix_cli import run_cli
 
     _build(db_dsn, tmp_path / "corpus", smollm2_gguf)
+    (tmp_path / "words.txt").write_text("the cat sat on the mat\n" * 20, encoding="utf-8")
+    words = IngestOptions(top_t=100)
+    ingest([str(tmp_path / "words.txt")], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=words)
+    other = run_cli("bench", "ceiling", "-s", "every", "-s", "words", "--prompts", "humaneval", dsn=db_dsn)
+    assert other.returncode == 2 and "another tokenizer" in other.stderr, other.stderr
+    assert "plain greedy decoding" not in other.stderr  # refused before any decoding
+
     args = ["bench", "ceiling", "-s", "every", "-s", "pruned", "--prompts", "humaneval", "--limit", "2"]
     args += ["--max-new-tokens", "16", "--max-nodes", str(NODES), "--references", str(tmp_path / "refs"), "--json"]
     first, second = run_cli(*args, dsn=db_dsn), run_cli(*args, dsn=db_dsn)

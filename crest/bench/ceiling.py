@@ -180,47 +180,68 @@ def run_ceiling(
     note: Callable[[str], None] = lambda line: None,
 ) -> list[Ceiling]:
     """Decode the prompts plainly (or read `references`/references.json), then measure each store's ceiling."""
+    import contextlib
+
     import psycopg
     from crest_client import Store
 
-    from crest.bench.references import known_references, record_references
-    from crest.decoding.drafter import NoneDrafter
-    from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.models import load_model
     from crest.decoding.tokenizer import Tokenizer
 
     loaded = load_model(model, device=options.device, dtype=options.dtype)
     fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint
-    prompt_ids = [loaded.encode_prompt(p, chat=chat) for p in prompts]
+    with contextlib.ExitStack() as stack:
+        # opened before decoding: a store built with another tokenizer is refused at once
+        handles = [
+            stack.enter_context(Store.connect(dsn, name, tokenizer_fingerprint=fingerprint, timeout=5.0, cache_size=0))
+            for name in stores
+        ]
+        conn = stack.enter_context(psycopg.connect(dsn, autocommit=True))
+        prompt_ids = [loaded.encode_prompt(p, chat=chat) for p in prompts]
+        outputs, max_positions = _references(loaded, prompt_ids, references=references, options=options, note=note)
+        pairs = list(zip(prompt_ids, outputs, strict=True))
+        found = []
+        for store in handles:
+            note(f"replaying {store.name}")
+            found.append(
+                measure_ceiling(
+                    store,
+                    conn,
+                    pairs,
+                    max_nodes=max_nodes,
+                    max_new_tokens=options.max_new_tokens,
+                    max_positions=max_positions,
+                )
+            )
+    return found
+
+
+def _references(
+    loaded: Any,
+    prompt_ids: list[list[int]],
+    *,
+    references: Path | None,
+    options: ReferenceOptions,
+    note: Callable[[str], None],
+) -> tuple[list[list[int]], int]:
+    """Return the prompts' plain greedy continuations (read from `references` when recorded there) and the
+    model's positions."""
+    from crest.bench.references import known_references, record_references
+    from crest.decoding.drafter import NoneDrafter
+    from crest.decoding.generator import SpeculativeGenerator
+
     plain = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=0)
     known = known_references(references, loaded, prompt_ids, options) if references else None
     if known is not None:
-        outputs = [list(map(int, r)) for r in known["references"]]
-        note(f"read the plain greedy continuations of {len(outputs)} prompts from {references}")
-    else:
-        outputs, seconds = [], 0.0
-        for i, ids in enumerate(prompt_ids):
-            note(f"plain greedy decoding, prompt {i + 1}/{len(prompt_ids)}")
-            ref = plain.generate(ids, drafter=NoneDrafter(), max_new_tokens=options.max_new_tokens)
-            outputs.append(list(ref.output_token_ids))
-            seconds += ref.seconds
-        if references is not None:
-            references.mkdir(parents=True, exist_ok=True)
-            record_references(references, loaded, prompt_ids, options, outputs, seconds / max(1, len(outputs)))
-    pairs = list(zip(prompt_ids, outputs, strict=True))
-    found = []
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for name in stores:
-            with Store.connect(dsn, name, tokenizer_fingerprint=fingerprint, timeout=5.0, cache_size=0) as store:
-                note(f"replaying {name}")
-                found.append(
-                    measure_ceiling(
-                        store,
-                        conn,
-                        pairs,
-                        max_nodes=max_nodes,
-                        max_new_tokens=options.max_new_tokens,
-                        max_positions=plain.max_positions,
-                    )
-                )
-    return found
+        note(f"read the plain greedy continuations of {len(prompt_ids)} prompts from {references}")
+        return [list(map(int, r)) for r in known["references"]], plain.max_positions
+    outputs, seconds = [], 0.0
+    for i, ids in enumerate(prompt_ids):
+        note(f"plain greedy decoding, prompt {i + 1}/{len(prompt_ids)}")
+        ref = plain.generate(ids, drafter=NoneDrafter(), max_new_tokens=options.max_new_tokens)
+        outputs.append(list(ref.output_token_ids))
+        seconds += ref.seconds
+    if references is not None:
+        references.mkdir(parents=True, exist_ok=True)
+        record_references(references, loaded, prompt_ids, options, outputs, seconds / max(1, len(outputs)))
+    return outputs, plain.max_positions
