@@ -34,7 +34,14 @@ def bench_ceiling_cmd(
     out: Out = None,
     dsn: Dsn = None,
 ) -> None:
-    """Replay each store's longest and expected rules and the hindsight ceiling of its stored suffixes: M each."""
+    """Replay each store's longest and expected rules and the hindsight ceiling of its stored suffixes: M each.
+
+    On the model's plain greedy continuations of the prompts, each step drafts from one stored suffix's tree:
+    `longest` and `expected` as the SDK chooses (a store decided at ingest is read by its longest row under
+    either), `ceiling` the tree that matches furthest, chosen with hindsight: no rule choosing one stored tree
+    drafts more. `no_next`: the share of the ceiling's steps where no stored tree holds the model's next token
+    (only the corpus can change that); `no_suffix`: where the context has no stored suffix at all.
+    """
     from crest.bench.ceiling import ReferenceOptions, run_ceiling
     from crest.bench.prompts import load_prompts
     from crest.cli.display import report_run
