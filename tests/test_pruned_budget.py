@@ -19,7 +19,7 @@ from crest.config import IngestOptions
 from crest.ingest.loader import estimate_row_bytes
 from crest.ingest.pipeline import ingest
 from crest.ingest.pruned_budget import PrunedBytes, first_over
-from crest.ingest.suffixes import kept_by_prune
+from crest.ingest.suffixes import kept_by_prune, prune_mask
 
 WIDTH = 2  # bytes a token in the synthetic keys
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -124,3 +124,21 @@ def test_a_pruned_budget_build_is_the_largest_pruned_top_t_within_the_budget(
     assert _build(db_dsn, corpus, smollm2_gguf, "fixed", top_t=reached, suffix_rule="prune")[1] == rows
     over = _build(db_dsn, corpus, smollm2_gguf, "next", top_t=reached + 1, suffix_rule="prune")[1]
     assert _estimated(over) > budget
+
+
+@pytest.mark.parametrize("keep", ["savings", "marginal"], ids=["savings", "marginal"])
+def test_a_pruned_savings_budget_fills_the_budget_with_the_rows_pruning_keeps(
+    db_dsn: str, corpus: str, smollm2_gguf: Path, keep: str
+) -> None:
+    budget = BUDGET
+    _, every = _build(db_dsn, corpus, smollm2_gguf, "lookup", budget=budget, keep=keep, suffix_rule="lookup")
+    _, rows = _build(db_dsn, corpus, smollm2_gguf, "pruned", budget=budget, keep=keep, suffix_rule="prune")
+    largest = max(int(estimate_row_bytes(len(k), np.array([len(t)]))[0]) for k, _, t in every)
+    # the next row in score order would pass the budget: it adds at most its own bytes (pruning only removes)
+    assert budget - 2 * largest < _estimated(rows) <= budget
+    # what counting the rows before pruning left: the same choice's unpruned store, pruned
+    width = 2  # SmolLM2's 49,152 ids
+    ordered = sorted(((k, len(k) // width, c, t) for k, c, t in every), key=lambda r: r[1])
+    mask = prune_mask(ordered, width=width, max_matches=30)
+    left = [(k, c, t) for (k, _, c, t), kept in zip(ordered, mask, strict=True) if kept]
+    assert _estimated(left) < 0.75 * budget  # savings 36%, marginal 54% of it on this corpus

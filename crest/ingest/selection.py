@@ -10,7 +10,10 @@ occurrence is instead matched only along nodes some other occurrence also passed
 (sum of the weights >= 2 over the root children's sum). `marginal` scores an n-gram by what it adds over its
 (n-1)-suffix (a context drafts from one suffix, so a tree no better than its shorter suffix's saves nothing
 extra): occurrences x max(0, expected - the suffix's expected), the suffix's taken from the pool (0 when absent).
-Trees and blobs are built once; kept rows are loaded as the count path loads them.
+Trees and blobs are built once; kept rows are loaded as the count path loads them. Under `--suffix-rule prune` a
+budget counts the rows pruning will keep (`crest.ingest.pruned_budget`): the pool grows until its pruned bytes
+reach `POOL_FACTOR` x the budget, and the kept rows are the longest prefix of the score order whose rows left by
+pruning fit (`choose_pruned`), so the pruned store fills its budget as a count build's does.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
+from crest_client.choice import promise
 from crest_client.codec import TokenTable, decode_tree
 
 from crest.config import KEEP_RULES, IngestOptions
 from crest.errors import ConfigError
 from crest.ingest.ngrams import NgramCounts, Selected, lengths_for, select_top
+from crest.ingest.pruned_budget import PrunedBytes, first_over
 
 Advance = Callable[[int], None]
 Row = tuple[int, bytes, int, bytes, int]  # (index in the selection, key, count, blob, nodes)
@@ -73,6 +78,23 @@ def choose(scores: np.ndarray, sizes: np.ndarray, *, rows: int | None = None, bu
     return order[:fit]
 
 
+def choose_pruned(
+    scores: np.ndarray, sizes: np.ndarray, *, keys: list[bytes], promises: list[float], width: int, budget: int
+) -> np.ndarray:
+    """Return the indices of the best-scoring rows: the longest prefix whose rows left by `prune` fit `budget`."""
+    order = np.argsort(-scores, kind="stable")  # as `choose`: each row its own rank, best first
+    picked = order.tolist()
+    cum = PrunedBytes(width).block(
+        0,
+        len(picked),
+        keys=[keys[i] for i in picked],
+        ranks=range(len(picked)),
+        promises=[promises[i] for i in picked],
+        sizes=sizes[order].tolist(),
+    )
+    return order[: first_over(cum, budget)]
+
+
 def load_savings(
     loader: Loader,
     tokens: np.ndarray,
@@ -93,27 +115,44 @@ def load_savings(
     table = loader.table if opts.blob_format == 2 else None
     pool: dict[int, list[Row]] = {n: [] for n in full}
     expected: dict[int, list[float]] = {n: [] for n in full}
+    promises: dict[int, list[float]] = {n: [] for n in full}  # `prune` budgets: crest_client.choice.promise
+    pruned = PrunedBytes(loader.width) if opts.budget is not None and opts.suffix_rule == "prune" else None
     advance = rep.stage("build trees (pool)", None)
-    spent, lo, block = 0, 0, 4096
+    spent, lo, block = 0, 0, 4096  # spent: the pool's bytes (under `prune`, of its rows pruning keeps)
     while lo < pool_t and (opts.budget is None or spent < POOL_FACTOR * opts.budget):
         hi = min(pool_t, lo + block)
+        meta: dict[str, list[Any]] = {"keys": [], "ranks": [], "promises": [], "sizes": []}  # PrunedBytes.block's
         for n, sel in full.items():
             if len(sel.counts) <= lo:
                 continue
             for row in loader.encoded(tokens, offsets, n, sel.ngrams[lo:hi], sel.counts[lo:hi]):
                 pool[n].append(row)
                 expected[n].append(expected_accepted(row[3], n=n, table=table))
-                spent += int(row_bytes(n, np.array([len(row[3])]))[0])
+                size = int(row_bytes(n, np.array([len(row[3])]))[0])
+                if pruned is not None:
+                    promises[n].append(promise(n, row[2], row[3], max_matches=opts.max_matches))
+                    meta["keys"].append(row[1])
+                    meta["ranks"].append(lo + row[0])
+                    meta["promises"].append(promises[n][-1])
+                    meta["sizes"].append(size)
+                spent += size
                 advance(1)
+        if pruned is not None:
+            cum = pruned.block(lo, hi, **meta)
+            spent = int(cum[-1]) if len(cum) else spent
         lo, block = hi, block * 2
     rep.done("build trees (pool)")
 
     by_key = {n: {row[1]: e for row, e in zip(pool[n], expected[n], strict=True)} for n in pool}
     width = loader.width
     parts_n, parts_i, parts_score, parts_size = [], [], [], []
+    keys: list[bytes] = []
+    row_promises: list[float] = []
     for n, rows in pool.items():
         if not rows:
             continue
+        keys += [r[1] for r in rows]
+        row_promises += promises[n]
         exp = np.array(expected[n], dtype=np.float64)  # [R]
         cnt = np.array([r[2] for r in rows], dtype=np.int64)  # [R]
         suffix = None
@@ -128,7 +167,11 @@ def load_savings(
         return opts.top_t
     all_n, all_i = np.concatenate(parts_n), np.concatenate(parts_i)
     limit_rows = None if opts.budget is not None else (opts.top_t or 0) * len(ns)
-    kept = choose(np.concatenate(parts_score), np.concatenate(parts_size), rows=limit_rows, budget=opts.budget)
+    scores, sizes = np.concatenate(parts_score), np.concatenate(parts_size)
+    if pruned is not None and opts.budget is not None:  # fill the budget with the rows pruning keeps
+        kept = choose_pruned(scores, sizes, keys=keys, promises=row_promises, width=width, budget=opts.budget)
+    else:
+        kept = choose(scores, sizes, rows=limit_rows, budget=opts.budget)
     advance = rep.stage("load (by expected savings)", int(kept.shape[0]))
     for n, rows in pool.items():
         mine = np.sort(all_i[kept[all_n[kept] == n]])  # count order within n
