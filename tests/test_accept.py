@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg
 import pytest
 from crest_client.draft import Draft
 
@@ -207,6 +208,35 @@ def test_bench_accept_chat_setting(
     rows = {r["drafter"]: r for r in results["rows"]}
     assert set(rows) == {"none", "rest", "crest"} and all(r["real"]["exact"] == 4 for r in rows.values())
     assert (out / "accept_chat.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("rule", ["lookup", "prune"], ids=["lookup", "prune"])
+def test_keep_rule_stores_follow_the_suffix_rule_at_the_count_stores_bytes(
+    db_dsn: str, tiny_dir: Path, tmp_path: Path, rule: str
+) -> None:
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": PROMPTS[0]}])
+    opts = AcceptOptions(
+        corpus=(str(_corpus(tmp_path, tiny_dir)),),
+        prompts=str(prompts),
+        drafters=("none", "crest"),
+        percents=(100.0,),
+        top_t=(40,),
+        keep=("count", "savings"),
+        suffix_rule=rule,
+        max_n=2,
+        max_new_tokens=8,
+        timing="none",
+        check=0,
+    )
+    results = run_accept(opts, model=str(tiny_dir), dsn=db_dsn, out=tmp_path / "out", argv=["crest"])
+    stores = {d["name"]: d for d in results["datastores"] if d["kind"] == "crest"}
+    tag = "" if rule == "lookup" else f"_{rule}"
+    assert set(stores) == {f"acc_custom_t40{tag}", f"acc_custom_savings_t40{tag}"}
+    with psycopg.connect(db_dsn) as conn:
+        params = dict(conn.execute("SELECT name, params FROM crest_stores WHERE state = 'published'").fetchall())
+    count, savings = params[f"acc_custom_t40{tag}"], params[f"acc_custom_savings_t40{tag}"]
+    assert savings["suffix_rule"] == count["suffix_rule"] == rule and savings["keep"] == "savings"
+    assert savings["budget"] == stores[f"acc_custom_t40{tag}"]["nbytes"]  # equal bytes: the count store's
 
 
 def test_hold_out_removes_whole_conversations(tmp_path: Path) -> None:

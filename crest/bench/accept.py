@@ -154,15 +154,16 @@ def run_accept(
             counted = crest[-1]
             counted_stores.append(counted)
             for keep in [k for k in opts.keep if k != "count"]:  # equal bytes: the count store's as the budget
-                options = IngestOptions(max_n=opts.max_n, budget=counted.nbytes, keep=keep, seed=opts.seed)
+                options = replace(options, top_t=None, budget=counted.nbytes, keep=keep)  # its suffix rule too
                 built = build_store(
                     corpus,
-                    name=f"acc_{setting}_{keep}_t{t}",
+                    name=f"acc_{setting}_{keep}_t{t}{rule}",
                     tokenizer=model,
                     dsn=dsn,
                     options=options,
                     out=out,
                     rebuild=opts.rebuild,
+                    judge=opts.suffix_judge,
                 )
                 crest.append(replace(built, top_t=t))
     dense: list[Variant] = []
