@@ -233,7 +233,9 @@ def test_keep_rule_stores_follow_the_suffix_rule_at_the_count_stores_bytes(
     tag = "" if rule == "lookup" else f"_{rule}"
     assert set(stores) == {f"acc_custom_t40{tag}", f"acc_custom_savings_t40{tag}"}
     with psycopg.connect(db_dsn) as conn:
-        params = dict(conn.execute("SELECT name, params FROM crest_stores WHERE state = 'published'").fetchall())
+        params: dict[str, Any] = dict(
+            conn.execute("SELECT name, params FROM crest_stores WHERE state = 'published'").fetchall()
+        )
     count, savings = params[f"acc_custom_t40{tag}"], params[f"acc_custom_savings_t40{tag}"]
     assert savings["suffix_rule"] == count["suffix_rule"] == rule and savings["keep"] == "savings"
     assert savings["budget"] == stores[f"acc_custom_t40{tag}"]["nbytes"]  # equal bytes: the count store's
