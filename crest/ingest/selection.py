@@ -142,6 +142,7 @@ def load_savings(
             spent = int(cum[-1]) if len(cum) else spent
         lo, block = hi, block * 2
     rep.done("build trees (pool)")
+    prune_budget, pruned = pruned is not None, None  # its rows and waiting lists are not needed past the pool
 
     by_key = {n: {row[1]: e for row, e in zip(pool[n], expected[n], strict=True)} for n in pool}
     width = loader.width
@@ -168,7 +169,7 @@ def load_savings(
     all_n, all_i = np.concatenate(parts_n), np.concatenate(parts_i)
     limit_rows = None if opts.budget is not None else (opts.top_t or 0) * len(ns)
     scores, sizes = np.concatenate(parts_score), np.concatenate(parts_size)
-    if pruned is not None and opts.budget is not None:  # fill the budget with the rows pruning keeps
+    if prune_budget and opts.budget is not None:  # fill the budget with the rows pruning keeps
         kept = choose_pruned(scores, sizes, keys=keys, promises=row_promises, width=width, budget=opts.budget)
     else:
         kept = choose(scores, sizes, rows=limit_rows, budget=opts.budget)
