@@ -7,6 +7,7 @@ request runs in milliseconds and greedy outputs can be checked against `model.ge
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -186,6 +187,17 @@ def test_models_health_metrics(served: Running) -> None:
         assert name in text
     assert 'crest_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert "crest_completion_tokens_total 3.0" in text  # the scheduler reports to the app's metrics
+    counters = store_counters(text)  # the store's lookups by outcome, read from the SDK at the scrape
+    assert counters["lookups"] >= 1 and counters["timeouts"] == counters["errors"] == 0, counters
+    served.client().completions.create(model="tiny", prompt="def", max_tokens=3, temperature=0)
+    assert store_counters(httpx.get(f"{served.url}/metrics").text)["lookups"] > counters["lookups"]
+
+
+def store_counters(text: str, store: str = "code") -> dict[str, float]:
+    """Return a store's lookup counters from a /metrics page: lookups, hits, timeouts, errors."""
+    names = {"lookups": "lookups", "cache_hits": "hits", "lookup_timeouts": "timeouts", "lookup_errors": "errors"}
+    found = re.findall(r'^crest_store_(\w+)_total\{store="' + store + r'"\} ([0-9.e+]+)$', text, re.MULTILINE)
+    return {names[name]: float(value) for name, value in found if name in names}
 
 
 def test_a_model_that_is_not_served_is_openais_404(served: Running) -> None:
@@ -264,6 +276,8 @@ def test_database_down_gives_the_same_output(tiny_served: Any, smollm2_tokenizer
             model="tiny", prompt="def add(a, b):", max_tokens=10, temperature=0, extra_body={"drafter": "none"}
         )
         assert a.choices[0].text == b.choices[0].text
+        zeros = dict.fromkeys(("lookups", "hits", "timeouts", "errors"), 0.0)
+        assert store_counters(httpx.get(f"{running.url}/metrics").text) == zeros  # not connected: nothing counted
     finally:
         running.stop()
 

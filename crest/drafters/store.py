@@ -139,6 +139,12 @@ class PendingStore:
         return [None] * len(contexts)
 
     @property
+    def stats(self) -> dict[str, int]:
+        """Return the connected store's lookup counters (`Store.stats`), or none counted before it connects."""
+        store = self.store
+        return dict(store.stats) if store is not None else {}
+
+    @property
     def live(self) -> Any:
         """Return the connected store's live tier (None before it connects or when it has none)."""
         return getattr(self.store, "live", None)

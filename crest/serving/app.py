@@ -91,6 +91,7 @@ def create_app(engine: Engine, *, metrics: ServerMetrics | None = None, api_key:
     metrics = metrics or ServerMetrics()
     if engine.scheduler.metrics is None:  # steps, tokens, batch size and queue depth are observed by the scheduler
         engine.scheduler.metrics = metrics
+    metrics.watch_stores(engine.store_stats)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -186,6 +186,12 @@ class Engine:
         with self._lock:
             return list(self._stores)
 
+    def store_stats(self) -> dict[str, dict[str, int]]:
+        """Return each opened store's lookup counters (the SDK's `Store.stats`; zeros until a pending one connects)."""
+        with self._lock:
+            opened = dict(self._stores)
+        return {name: dict(store.stats) for name, store in opened.items()}
+
     def learner(self, name: str) -> Learner | None:
         """Return the learner of the opened store `name`, or None (not opened, or the server does not record)."""
         with self._lock:

@@ -1,5 +1,7 @@
 """Prometheus metrics of a server: requests, tokens, accepted tokens per step, draft latency, queue depth, batch size,
-and learning: tokens written to the stores' learned logs or dropped, and the live tiers' refreshes.
+learning (tokens written to the stores' learned logs or dropped, the live tiers' refreshes), and each opened
+store's lookups by outcome, read from the SDK's `Store.stats` at each scrape (`watch_stores`): a lookup that outran
+its timeout drafted nothing that step, which the other figures cannot tell from a store that had no tree.
 
 One `ServerMetrics` per server, on its own `CollectorRegistry` (so several servers in one process, as in the
 tests, never clash); `GET /metrics` renders it in the Prometheus text format.
@@ -7,12 +9,40 @@ tests, never clash); `GET /metrics` renders it in the Prometheus text format.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+StoreStats = Callable[[], Mapping[str, Mapping[str, int]]]  # store name -> the SDK's Store.stats
+
+# (Store.stats key, metric, help): contexts, cache hits, lookup calls past their timeout, failed lookup calls
+STORE_COUNTERS = (
+    ("lookups", "crest_store_lookups", "Contexts looked up in the store"),
+    ("hits", "crest_store_cache_hits", "Contexts answered by the SDK's cache, without the database"),
+    ("timeouts", "crest_store_lookup_timeouts", "Lookups past their timeout (CREST_LOOKUP_TIMEOUT): no store draft"),
+    ("errors", "crest_store_lookup_errors", "Lookups that failed (database errors, corrupt trees): no store draft"),
+)
+
+
+class _StoreCounters(Collector):
+    """Each opened store's lookup counters, read from its `Store.stats` when scraped."""
+
+    def __init__(self, read: StoreStats) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read()
+        for key, name, text in STORE_COUNTERS:
+            family = CounterMetricFamily(name, text, labels=["store"])
+            for store in sorted(stats):
+                family.add_metric([store], float(stats[store].get(key, 0)))
+            yield family
 
 
 class ServerMetrics:
@@ -49,6 +79,7 @@ class ServerMetrics:
             "crest_learn_dropped_tokens", "Served tokens not learned (queue full or database failing)", registry=r
         )
         self.live_refreshes = Counter("crest_live_refresh", "Live-tier refreshes by result", ["result"], registry=r)
+        self._stores: _StoreCounters | None = None  # the opened stores' lookup counters (`watch_stores`)
         for result in ("published", "nothing", "failed"):
             self.live_refreshes.labels(result)
 
@@ -88,6 +119,13 @@ class ServerMetrics:
     def count_request(self, endpoint: str, status: int) -> None:
         """Count one HTTP request."""
         self.requests.labels(endpoint, str(status)).inc()
+
+    def watch_stores(self, read: StoreStats) -> None:
+        """Report the lookup counters `read` returns (store name -> `Store.stats`) at every scrape (the last given)."""
+        if self._stores is None:
+            self._stores = _StoreCounters(read)
+            self.registry.register(self._stores)
+        self._stores.read = read
 
     def render(self) -> bytes:
         """Return the metrics in the Prometheus text format."""
