@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -94,6 +95,31 @@ def test_proposer_drafts_from_the_store_and_teaches_it(words_store: str, word_to
     assert taught == sorted(p[-max_n:] + o for _, p, o in requests)
     assert all(src.startswith("vllm@") and new == 11 and acc > 0 for _, _, src, new, acc in rows)
     proposer.close()
+
+
+@pytest.mark.parametrize("every", [0.0, 3600.0], ids=["every-step", "at-close"])
+def test_proposer_says_its_drafts_and_the_stores_lookups(
+    words_store: str, word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, every: float
+) -> None:
+    settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store, learn=False)
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings, report_every=every)
+    runner = Runner(proposer)
+    for req_id, prompt, output in _requests(word_tokenizer_dir):
+        runner.add(req_id, prompt, output)
+    with caplog.at_level(logging.INFO, logger="crest.integrations.vllm"):
+        runner.run()
+        said_before_close = len(caplog.records)
+        proposer.close()
+    line = re.compile(
+        r"crest proposer, last \d+ s: (\d+) steps, (\d+) draft tokens verified, (\d+) accepted \(\d+%\); "
+        r"store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
+    )
+    found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
+    totals = [sum(column) for column in zip(*found, strict=True)]
+    assert len(found) == (runner.steps if every == 0 else 1) and said_before_close == (len(found) if every == 0 else 0)
+    steps, drafted, accepted, lookups, _, timeouts, failed = totals
+    assert (steps, drafted, accepted) == (runner.steps, runner.drafted, runner.accepted), totals
+    assert lookups > 0 and timeouts == failed == 0
 
 
 def test_requests_still_held_when_steps_stop_are_learned(words_store: str, word_tokenizer_dir: Path) -> None:

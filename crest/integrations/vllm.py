@@ -18,7 +18,8 @@ vLLM's call names no requests: their ids, prompt lengths and sampling limits are
 calls `propose` (`caller_batch`); when that is not found, rows are told apart by their position and first
 tokens, and nothing is learned. Settings come from `CREST_*` variables (`crest.config.vllm_settings`). Faults
 never reach vLLM: a database that is down, slow or lacks the store costs drafts only, and an error inside a step
-is logged once and gives that step no drafts.
+is logged once and gives that step no drafts. Every minute of steps an INFO line says what was drafted and
+accepted and how the store's lookups went (`crest.integrations._report`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.registry import check_drafter, kind_of, make_drafter
 from crest.drafters.store import open_store
 from crest.errors import ConfigError
+from crest.integrations._report import REPORT_EVERY, DraftReport
 from crest.integrations._vllm_runner import RunnerBatch, caller_batch, stop_at, tokenizer_fingerprint, vocab_size
 from crest.integrations.chain import best_chain
 from crest.learning.refresher import Refresher
@@ -88,7 +90,12 @@ class CrestProposer:
     """Drafts for vLLM from a crest store merged with prompt lookup: one chain per row, of adaptive length <= K."""
 
     def __init__(
-        self, vllm_config: Any, *, settings: VllmSettings | None = None, idle_learn: float = IDLE_LEARN
+        self,
+        vllm_config: Any,
+        *,
+        settings: VllmSettings | None = None,
+        idle_learn: float = IDLE_LEARN,
+        report_every: float = REPORT_EVERY,
     ) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
@@ -107,6 +114,7 @@ class CrestProposer:
         self._rows: dict[str, _Row] = {}
         self._last_end: float | None = None
         self._failures = 0
+        self.report = DraftReport(self._store_stats if self.store is not None else None, every=report_every)
         # vLLM calls no proposer after a batch's last step: its last requests are learned once steps stop
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
@@ -158,6 +166,7 @@ class CrestProposer:
 
     def close(self) -> None:
         """Teach the store what the requests still held had served, write it, and close the store."""
+        self.report.say(force=True)
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=10)
@@ -191,6 +200,7 @@ class CrestProposer:
                 accepted, verified = accepted + got, True
                 predicted += expected_nodes(row.chain, len(row.chain))
                 row.drafted, row.accepted = row.drafted + len(row.chain), row.accepted + got
+                self.report.verified(len(row.chain), got)
             row.chain, row.chain_at = empty_draft(), -1
             if len(row.tokens) + len(new) == n:
                 row.tokens.extend(new)
@@ -220,8 +230,13 @@ class CrestProposer:
             for (i, row, _), chain in zip(live, cut, strict=True):
                 row.chain, row.chain_at = chain, len(row.tokens)
                 drafts[i] = [int(t) for t in chain.tokens]
+        self.report.step()
         self._last_end = time.perf_counter()
         return drafts
+
+    def _store_stats(self) -> dict[str, int]:
+        """Return the store's lookup counters (`Store.stats`; none counted before a pending store connects)."""
+        return dict(getattr(self.store, "stats", None) or {})
 
     def _feed_dense(self, live: list[tuple[int, _Row, int]], batch: RunnerBatch | None) -> None:
         """Hand each dense row the state that predicted its last token and search them all in one statement."""

@@ -1,0 +1,63 @@
+"""The proposer's periodic INFO line: what it drafted and how much was accepted, and how its store's lookups went.
+
+Every `every` seconds of steps (and once more at close) `DraftReport` says the steps, draft tokens verified and
+accepted since its last line and, with a store, the lookups it made, the SDK's cache hits, the lookups past their
+timeout and the failed ones (deltas of `Store.stats`). A lookup past its timeout (`CREST_LOOKUP_TIMEOUT`, 10 ms by
+default) drafts nothing from the store that step, which no other figure tells apart from a context the store has
+no tree for: this line is where an operator of a vLLM server sees that the database is too slow for the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+log = logging.getLogger("crest.integrations.vllm")
+
+REPORT_EVERY = 60.0  # seconds between two lines
+LOOKUP_COUNTS = ("lookups", "hits", "timeouts", "errors")  # the `Store.stats` keys said
+
+
+class DraftReport:
+    """Counts a proposer's steps, drafts and accepted tokens, and says them with its store's lookups now and then."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float = REPORT_EVERY) -> None:
+        self.stats, self.every = stats, every
+        self.steps = self.drafted = self.accepted = 0
+        self._since = time.monotonic()
+        self._seen = dict(stats() if stats is not None else {})
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """Count a chain of `drafted` tokens that a step verified, `accepted` of them kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def step(self) -> None:
+        """Count a step, and say the line when `every` seconds passed since the last."""
+        self.steps += 1
+        self.say()
+
+    def say(self, *, force: bool = False) -> str | None:
+        """Log the line (when due, or `force`d) if any step ran since the last; return it."""
+        now = time.monotonic()
+        if not force and now - self._since < self.every:
+            return None
+        stats = dict(self.stats() if self.stats is not None else {})
+        line = None
+        if self.steps:
+            share = 100.0 * self.accepted / max(1, self.drafted)
+            line = (
+                f"crest proposer, last {now - self._since:.0f} s: {self.steps} steps, {self.drafted} draft tokens "
+                f"verified, {self.accepted} accepted ({share:.0f}%)"
+            )
+            if self.stats is not None:
+                d = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in LOOKUP_COUNTS}
+                line += (
+                    f"; store lookups {d['lookups']} (cache hits {d['hits']}, past the timeout {d['timeouts']}, "
+                    f"failed {d['errors']})"
+                )
+            log.info(line)
+        self.steps = self.drafted = self.accepted = 0
+        self._since, self._seen = now, stats
+        return line
