@@ -122,6 +122,28 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
     assert lookups > 0 and timeouts == failed == 0
 
 
+def test_crest_logs_through_vllms_handlers_when_vllm_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from crest.integrations._report import log_with_vllm
+
+    names = ("vllm", "crest", "crest_client")
+    for name in names:  # restored afterwards: handlers, level, propagation
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
+    log_with_vllm()  # vLLM not configured (or not there): nothing changes
+    assert not logging.getLogger("crest").handlers and logging.getLogger("crest").propagate
+    handler = logging.StreamHandler()
+    logging.getLogger("vllm").addHandler(handler)
+    logging.getLogger("vllm").setLevel(logging.INFO)
+    log_with_vllm()
+    for name in ("crest", "crest_client"):
+        ours = logging.getLogger(name)
+        assert ours.handlers == [handler] and not ours.propagate and ours.getEffectiveLevel() == logging.INFO
+    log_with_vllm()  # once: a second proposer in the process adds nothing
+    assert logging.getLogger("crest").handlers == [handler]
+
+
 def test_requests_still_held_when_steps_stop_are_learned(words_store: str, word_tokenizer_dir: Path) -> None:
     settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store, refresh_interval=0)
     proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings, idle_learn=0.3)
@@ -437,6 +459,8 @@ def test_vllm_with_crest_is_exact_and_accepts_store_drafts(served: Any) -> None:
     before = served.server.counters()
     texts = served.server.complete(PROMPTS)
     assert texts == served.baseline  # greedy: token for token what vLLM gives without speculation
+    # crest's INFO lines reach vLLM's log (through vLLM's handlers)
+    assert "crest proposer: drafter crest, store taught" in served.server.log.read_text(errors="replace")
     after = served.server.counters()
     drafted = after["draft_tokens_total"] - before.get("draft_tokens_total", 0.0)
     accepted = after["accepted_tokens_total"] - before.get("accepted_tokens_total", 0.0)

@@ -1,4 +1,7 @@
-"""The proposer's periodic INFO line: what it drafted and how much was accepted, and how its store's lookups went.
+"""The vLLM proposer's log: crest's records through vLLM's handlers, and a periodic line on drafts and lookups.
+
+vLLM sets handlers on its own logger only, so in its worker crest's INFO lines were lost and its warnings went to
+Python's last-resort handler; `log_with_vllm` hands crest's and the SDK's loggers vLLM's handlers.
 
 Every `every` seconds of steps (and once more at close) `DraftReport` says the steps, draft tokens verified and
 accepted since its last line and, with a store, the lookups it made, the SDK's cache hits, the lookups past their
@@ -17,6 +20,24 @@ log = logging.getLogger("crest.integrations.vllm")
 
 REPORT_EVERY = 60.0  # seconds between two lines
 LOOKUP_COUNTS = ("lookups", "hits", "timeouts", "errors")  # the `Store.stats` keys said
+
+
+def log_with_vllm() -> None:
+    """Send crest's and the SDK's log records through vLLM's handlers, which vLLM sets on its own logger only.
+
+    Without them a worker's root logger has no handler: INFO lines (the proposer's settings and figures) were lost
+    and warnings went to Python's last-resort handler, unformatted. Nothing changes where crest's loggers already
+    have handlers or vLLM's has none (vLLM's `VLLM_CONFIGURE_LOGGING=0`, or not inside vLLM).
+    """
+    theirs = logging.getLogger("vllm")
+    for name in ("crest", "crest_client"):
+        ours = logging.getLogger(name)
+        if ours.handlers or not theirs.handlers:
+            continue
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
 
 
 class DraftReport:

@@ -46,7 +46,7 @@ from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.registry import check_drafter, kind_of, make_drafter
 from crest.drafters.store import open_store
 from crest.errors import ConfigError
-from crest.integrations._report import REPORT_EVERY, DraftReport
+from crest.integrations._report import REPORT_EVERY, DraftReport, log_with_vllm
 from crest.integrations._vllm_runner import RunnerBatch, caller_batch, stop_at, tokenizer_fingerprint, vocab_size
 from crest.integrations.chain import best_chain
 from crest.learning.refresher import Refresher
@@ -97,6 +97,7 @@ class CrestProposer:
         idle_learn: float = IDLE_LEARN,
         report_every: float = REPORT_EVERY,
     ) -> None:
+        log_with_vllm()
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
