@@ -76,6 +76,7 @@ DEFAULT_LEARN_DENSE_WINDOW = 50_000  # recorded hidden states a live version's d
 DEFAULT_DENSE_PRECISION = "half"  # a dense part's vectors: halfvec (crest.db.dense.PRECISIONS; docs/benchmarks.md)
 
 DEFAULT_REFRESH_INTERVAL = 10.0  # seconds between refreshes of the live tiers (crest serve, the vLLM proposer)
+DEFAULT_REPORT_INTERVAL = 60.0  # seconds between the vLLM proposer's lines on its drafts and lookups (0: none)
 
 DEFAULT_REFRESH_MIN_TOKENS = 2048  # learned tokens a refresh waits for before it rebuilds a live tier
 
@@ -180,6 +181,9 @@ class VllmSettings:
         DEFAULT_REFRESH_MIN_TOKENS  # CREST_REFRESH_MIN_TOKENS: new learned tokens a refresh waits for
     )
     learn_window: int = DEFAULT_LEARN_WINDOW  # CREST_LEARN_WINDOW: a refresh builds from the last W learned tokens
+    report_interval: float = (
+        DEFAULT_REPORT_INTERVAL  # CREST_REPORT_INTERVAL: seconds between INFO lines on drafts and lookups (0: none)
+    )
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -203,6 +207,7 @@ def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
     interval = _number(env, "CREST_REFRESH_INTERVAL", float, VllmSettings.refresh_interval, least=0)
     min_tokens = _number(env, "CREST_REFRESH_MIN_TOKENS", int, VllmSettings.refresh_min_tokens, least=0)
     window = _number(env, "CREST_LEARN_WINDOW", int, VllmSettings.learn_window, least=1)
+    report = _number(env, "CREST_REPORT_INTERVAL", float, VllmSettings.report_interval, least=0)
     return VllmSettings(
         store=store,
         drafter=env.get("CREST_DRAFTER", "").strip().lower() or VllmSettings.drafter,
@@ -212,6 +217,7 @@ def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
         refresh_interval=interval,
         refresh_min_tokens=min_tokens,
         learn_window=window,
+        report_interval=report,
     )
 
 

@@ -97,12 +97,14 @@ def test_proposer_drafts_from_the_store_and_teaches_it(words_store: str, word_to
     proposer.close()
 
 
-@pytest.mark.parametrize("every", [0.0, 3600.0], ids=["every-step", "at-close"])
+@pytest.mark.parametrize("every", [1e-9, 3600.0, 0.0], ids=["every-step", "at-close", "off"])
 def test_proposer_says_its_drafts_and_the_stores_lookups(
     words_store: str, word_tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, every: float
 ) -> None:
-    settings = VllmSettings(store="words", drafter="crest", dsn=words_store, read_dsn=words_store, learn=False)
-    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings, report_every=every)
+    settings = VllmSettings(
+        store="words", drafter="crest", dsn=words_store, read_dsn=words_store, learn=False, report_interval=every
+    )
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=settings)
     runner = Runner(proposer)
     for req_id, prompt, output in _requests(word_tokenizer_dir):
         runner.add(req_id, prompt, output)
@@ -116,7 +118,11 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
     )
     found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
     totals = [sum(column) for column in zip(*found, strict=True)]
-    assert len(found) == (runner.steps if every == 0 else 1) and said_before_close == (len(found) if every == 0 else 0)
+    if every == 0:  # CREST_REPORT_INTERVAL=0: no lines
+        assert found == []
+        return
+    every_step = every < 1
+    assert len(found) == (runner.steps if every_step else 1) and said_before_close == (len(found) if every_step else 0)
     steps, drafted, accepted, lookups, _, timeouts, failed = totals
     assert (steps, drafted, accepted) == (runner.steps, runner.drafted, runner.accepted), totals
     assert lookups > 0 and timeouts == failed == 0
@@ -250,10 +256,13 @@ def test_proposer_settings(words_store: str, word_tokenizer_dir: Path, caplog: p
     with pytest.raises(ConfigError, match="CREST_LEARN"):
         vllm_settings({"CREST_LEARN": "maybe"})
     env = {"CREST_REFRESH_INTERVAL": "2.5", "CREST_REFRESH_MIN_TOKENS": "0", "CREST_LEARN_WINDOW": "1000"}
-    assert vllm_settings(env) == VllmSettings(refresh_interval=2.5, refresh_min_tokens=0, learn_window=1000)
+    env["CREST_REPORT_INTERVAL"] = "0"
+    assert vllm_settings(env) == VllmSettings(
+        refresh_interval=2.5, refresh_min_tokens=0, learn_window=1000, report_interval=0.0
+    )
     for name, bad in [("CREST_REFRESH_INTERVAL", "soon"), ("CREST_REFRESH_INTERVAL", "-1"),
                       ("CREST_REFRESH_INTERVAL", "nan"), ("CREST_REFRESH_MIN_TOKENS", "1.5"),
-                      ("CREST_LEARN_WINDOW", "0")]:  # fmt: skip
+                      ("CREST_LEARN_WINDOW", "0"), ("CREST_REPORT_INTERVAL", "-5")]:  # fmt: skip
         with pytest.raises(ConfigError, match=name):
             vllm_settings({name: bad})
 

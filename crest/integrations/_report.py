@@ -3,11 +3,12 @@
 vLLM sets handlers on its own logger only, so in its worker crest's INFO lines were lost and its warnings went to
 Python's last-resort handler; `log_with_vllm` hands crest's and the SDK's loggers vLLM's handlers.
 
-Every `every` seconds of steps (and once more at close) `DraftReport` says the steps, draft tokens verified and
-accepted since its last line and, with a store, the lookups it made, the SDK's cache hits, the lookups past their
-timeout and the failed ones (deltas of `Store.stats`). A lookup past its timeout (`CREST_LOOKUP_TIMEOUT`, 10 ms by
-default) drafts nothing from the store that step, which no other figure tells apart from a context the store has
-no tree for: this line is where an operator of a vLLM server sees that the database is too slow for the timeout.
+Every `every` seconds of steps (`CREST_REPORT_INTERVAL`, 60; 0: never) and once more at close, `DraftReport`
+says the steps, draft tokens verified and accepted since its last line and, with a store, the lookups it made,
+the SDK's cache hits, the lookups past their timeout and the failed ones (deltas of `Store.stats`). A lookup past
+its timeout (`CREST_LOOKUP_TIMEOUT`, 10 ms by default) drafts nothing from the store that step, which no other
+figure tells apart from a context the store has no tree for: this line is where an operator of a vLLM server sees
+that the database is too slow for the timeout.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Callable, Mapping
 
 log = logging.getLogger("crest.integrations.vllm")
 
-REPORT_EVERY = 60.0  # seconds between two lines
 LOOKUP_COUNTS = ("lookups", "hits", "timeouts", "errors")  # the `Store.stats` keys said
 
 
@@ -43,7 +43,7 @@ def log_with_vllm() -> None:
 class DraftReport:
     """Counts a proposer's steps, drafts and accepted tokens, and says them with its store's lookups now and then."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float = REPORT_EVERY) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float) -> None:
         self.stats, self.every = stats, every
         self.steps = self.drafted = self.accepted = 0
         self._since = time.monotonic()
@@ -62,8 +62,8 @@ class DraftReport:
     def say(self, *, force: bool = False) -> str | None:
         """Log the line (when due, or `force`d) if any step ran since the last; return it."""
         now = time.monotonic()
-        if not force and now - self._since < self.every:
-            return None
+        if self.every <= 0 or (not force and now - self._since < self.every):
+            return None  # every <= 0: no lines
         stats = dict(self.stats() if self.stats is not None else {})
         line = None
         if self.steps:

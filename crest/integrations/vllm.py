@@ -46,7 +46,7 @@ from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.registry import check_drafter, kind_of, make_drafter
 from crest.drafters.store import open_store
 from crest.errors import ConfigError
-from crest.integrations._report import REPORT_EVERY, DraftReport, log_with_vllm
+from crest.integrations._report import DraftReport, log_with_vllm
 from crest.integrations._vllm_runner import RunnerBatch, caller_batch, stop_at, tokenizer_fingerprint, vocab_size
 from crest.integrations.chain import best_chain
 from crest.learning.refresher import Refresher
@@ -95,7 +95,6 @@ class CrestProposer:
         *,
         settings: VllmSettings | None = None,
         idle_learn: float = IDLE_LEARN,
-        report_every: float = REPORT_EVERY,
     ) -> None:
         log_with_vllm()
         spec = vllm_config.speculative_config
@@ -115,7 +114,8 @@ class CrestProposer:
         self._rows: dict[str, _Row] = {}
         self._last_end: float | None = None
         self._failures = 0
-        self.report = DraftReport(self._store_stats if self.store is not None else None, every=report_every)
+        stats = self._store_stats if self.store is not None else None
+        self.report = DraftReport(stats, every=self.settings.report_interval)
         # vLLM calls no proposer after a batch's last step: its last requests are learned once steps stop
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
