@@ -449,6 +449,7 @@ def served(pg_server: str, tmp_path_factory: pytest.TempPathFactory, smollm2_ggu
     # lookups through the proxy on a loaded machine (a neighbour's disk writes) can outrun the 10 ms default and
     # draft nothing; these tests are about the drafts, the deadline has its own (tests/test_faults.py)
     env["CREST_LOOKUP_TIMEOUT"] = "0.5"
+    env["CREST_REPORT_INTERVAL"] = "1"  # the proposer's figures in the log every second of steps
     spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": K}
     server = VllmServer(python, model, root / "crest.log", spec=spec, env=env)
     try:
@@ -468,8 +469,12 @@ def test_vllm_with_crest_is_exact_and_accepts_store_drafts(served: Any) -> None:
     before = served.server.counters()
     texts = served.server.complete(PROMPTS)
     assert texts == served.baseline  # greedy: token for token what vLLM gives without speculation
-    # crest's INFO lines reach vLLM's log (through vLLM's handlers)
-    assert "crest proposer: drafter crest, store taught" in served.server.log.read_text(errors="replace")
+    # crest's INFO lines reach vLLM's log (through vLLM's handlers): its settings, then its figures
+    logged = served.server.log.read_text(errors="replace")
+    assert "crest proposer: drafter crest, store taught" in logged
+    assert re.search(r"crest proposer, last \d+ s: \d+ steps, .* accepted .*; store lookups [1-9]", logged), logged[
+        -3000:
+    ]
     after = served.server.counters()
     drafted = after["draft_tokens_total"] - before.get("draft_tokens_total", 0.0)
     accepted = after["accepted_tokens_total"] - before.get("accepted_tokens_total", 0.0)
