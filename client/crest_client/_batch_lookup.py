@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from crest_client._connections import Connections
-from crest_client.choice import choose, decided_at_ingest, rule_for
+from crest_client.choice import built_max_matches, choose, decided_at_ingest, rule_for
 from crest_client.draft import Draft
 from crest_client.info import StoreInfo
 from crest_client.lookup import (
@@ -94,7 +94,7 @@ def pick_rows(rows: list[Row], info: StoreInfo, *, every: bool) -> list[Row]:
     groups: dict[int, list[Row]] = {}
     for row in rows:
         groups.setdefault(row[0], []).append(row)
-    limit = int(info.params.get("max_matches", 5000) or 5000)
+    limit = built_max_matches(info.params)
     return [group[choose([(r[2], r[3], r[4]) for r in group], max_matches=limit)] for group in groups.values()]
 
 

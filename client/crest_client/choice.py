@@ -36,6 +36,11 @@ def built_rule(params: Mapping[str, Any] | None) -> str:
     return str((params or {}).get("suffix_rule") or "lookup")  # none: built before the option existed
 
 
+def built_max_matches(params: Mapping[str, Any] | None) -> int:
+    """Return the most occurrences a version built a tree from (`--max-matches`; 5000 when none is recorded)."""
+    return int((params or {}).get("max_matches") or 5000)
+
+
 def decided_at_ingest(params: Mapping[str, Any] | None) -> bool:
     """Return whether a version's rows were decided at ingest, so a lookup drafts from its longest stored suffix."""
     return built_rule(params) != "lookup"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crest_client.choice import built_rule, choose, decided_at_ingest
+from crest_client.choice import built_max_matches, built_rule, choose, decided_at_ingest
 from crest_client.codec import decode_tree
 from crest_client.draft import Draft
 from psycopg import sql
@@ -110,7 +110,7 @@ def measure_ceiling(
 ) -> Ceiling:
     """Replay `longest`, `expected` and the hindsight ceiling on (prompt ids, continuation ids) pairs."""
     reader = SuffixRows(conn, store)
-    max_matches = int(store.info.params.get("max_matches", 5000))
+    max_matches = built_max_matches(store.info.params)  # as the SDK's `expected` reads it
     decided = decided_at_ingest(store.info.params)
     totals = dict.fromkeys(RULES, 0)  # steps per rule
     new_tokens = drafted = no_next = no_suffix = 0
