@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,11 +16,13 @@ from crest_client.embedded import crest_home, embedded_dsn, stop_embedded
 
 
 @pytest.fixture()
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    # a short path: the server's unix socket lives in the data directory
-    path = Path(tmp_path_factory.mktemp("h"))
+def home() -> Iterator[Path]:
+    # a short path (the server's unix socket lives in the data directory), outside pytest's own 0700 tree: the
+    # server runs as another user when tests run as root, and initdb failed there once under load (Permission denied)
+    path = Path(tempfile.mkdtemp(prefix="crest-emb-"))
     yield path
     stop_embedded(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _version(dsn: str) -> str:

@@ -200,10 +200,28 @@ def ulp(value: float, dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) * 2.0 ** np.floor(np.log2(max(abs(value), 1e-30)))
 
 
+def near_tie_at(model: Any, prompt: list[int], got: list[int], want: list[int], dtype: torch.dtype) -> str | None:
+    """Return None where `got` equals `want` or first leaves it at a near-tie of the target; else what differs."""
+    if got == want:
+        return None
+    i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + want[:i]])).logits[0, -1].float()  # [V]
+    top = float(logits.max())
+    gap = max(top - float(logits[want[i]]), top - float(logits[got[i]]))
+    bound = NEAR_TIE_ULPS * ulp(top, dtype)
+    if gap <= bound:
+        return None
+    return f"new token {i} is {got[i]}, generate's {want[i]}, top-2 logit gap {gap:.4g} > {bound:.4g}: not a near-tie"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_low_precision_greedy_differs_from_generate_only_at_near_ties(dtype: torch.dtype) -> None:
     """In 16-bit floats a tree forward and a one-token forward round differently: where the output leaves plain
-    greedy decoding, the target's top two logits there are within a few ulps (a near-tie), never a clear choice."""
+    greedy decoding, the target's top two logits there are within a few ulps (a near-tie), never a clear choice.
+
+    One token a forward can leave `generate` too, at exact ties (gap 0) on some CPUs' kernels: the same rule holds.
+    """
     from crest.decoding.sizing import CostModel
 
     runs = ties = 0
@@ -214,7 +232,7 @@ def test_low_precision_greedy_differs_from_generate_only_at_near_ties(dtype: tor
             prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 300, 8)]
             want = plain_greedy(model, prompt, 40)
             plain = SpeculativeGenerator(model, IdTokenizer(), max_draft_tokens=0).generate(prompt, max_new_tokens=40)
-            assert plain.output_token_ids == want, "one token per forward should round as generate does"
+            assert near_tie_at(model, prompt, plain.output_token_ids, want, dtype) is None, f"{kind} seed {seed}"
             for size in (None, 16):
                 gen = SpeculativeGenerator(
                     model, IdTokenizer(), max_draft_tokens=size, cost=CostModel([1, 2, 4, 8], [1.0, 1.1, 1.3, 1.7])
@@ -222,21 +240,9 @@ def test_low_precision_greedy_differs_from_generate_only_at_near_ties(dtype: tor
                 drafter = TreeDrafter(want + [0] * 10, len(prompt), vocab=300, seed=seed, truth=0.8)
                 got = gen.generate(prompt, drafter=drafter, max_new_tokens=40).output_token_ids
                 runs += 1
-                if got == want:
-                    continue
-                i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-                with torch.no_grad():
-                    logits = model(torch.tensor([prompt + want[:i]])).logits[0, -1].float()  # [V]
-                top = float(logits.max())
-                gap = max(top - float(logits[want[i]]), top - float(logits[got[i]]))
-                bound = NEAR_TIE_ULPS * ulp(top, dtype)
-                assert gap <= bound, (
-                    f"{kind} seed {seed} size {size}: new token {i} is {got[i]}, generate's is {want[i]}, "
-                    f"top-2 logit gap {gap:.4g} > {bound:.4g} ({NEAR_TIE_ULPS} ulps): not a near-tie"
-                )
-                ties += 1
-    # the rounding difference is real (about a third of bfloat16 runs, a tenth of float16 runs on this torch):
-    # without one this test would not check the near-tie claim at all
+                differs = near_tie_at(model, prompt, got, want, dtype)
+                assert differs is None, f"{kind} seed {seed} size {size}: {differs} ({NEAR_TIE_ULPS} ulps)"
+                ties += got != want
     assert ties >= 1, f"no run of {runs} left plain greedy decoding in {dtype}: the docs' qualification is stale"
 
 
