@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from crest_client.codec import encode_tree
 
 from crest.config import IngestOptions
 from tests.fix_corpus import write_jsonl
@@ -55,3 +56,10 @@ def choice_options(seed: int, rule: str) -> IngestOptions:
     return IngestOptions(
         top_t=400, max_n=4, continuation_length=4, max_matches=20, tree_size=16, seed=seed, suffix_rule=rule
     )
+
+
+def row_of(tokens: list[int], tree: int, count: int) -> tuple[bytes, int, int, bytes]:
+    """Return a stored row (key, n, count, blob) of these 2-byte tokens whose tree is one node, `tree`."""
+    key = np.array(tokens, dtype=">u2").tobytes()
+    blob = encode_tree(np.array([tree]), np.array([-1], dtype=np.int32), np.array([count]), vocab_size=100)
+    return key, len(tokens), count, blob

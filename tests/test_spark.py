@@ -183,6 +183,15 @@ def test_auto_without_a_judge_is_refused_before_any_work(db_dsn: str, tmp_path: 
             options=IngestOptions(),
             judge=[str(corpus)],
         )
+    with pytest.raises(ConfigError, match="--engine spark cannot fill --budget under --suffix-rule auto"):
+        ingest_spark(
+            [str(corpus)],
+            store="s",
+            tokenizer="no-such-tokenizer",
+            dsn=db_dsn,
+            options=IngestOptions(suffix_rule="auto", budget=1 << 20),
+            judge=[str(corpus)],
+        )
     with psycopg.connect(db_dsn) as conn:
         built = conn.execute("SELECT to_regclass('crest_stores') IS NOT NULL").fetchone() == (True,)
         assert not built or conn.execute("SELECT count(*) FROM crest_stores").fetchone() == (0,)

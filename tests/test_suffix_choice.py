@@ -9,19 +9,19 @@ import numpy as np
 import psycopg
 import pytest
 from crest_client import Store
-from crest_client.codec import encode_tree
 
 from crest.bench.lookup import tree_source
 from crest.config import IngestOptions
 from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError
+from crest.ingest.novelty import novel_positions
 from crest.ingest.pipeline import build_store
 from crest.ingest.publishing import Vocabulary
-from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, novel_positions, split_held_out
+from crest.ingest.suffix_choice import HELD_FRACTION, choose_rule, split_held_out
 from crest.ingest.suffixes import prune_mask
 from tests.fix_cli import run
 from tests.fix_corpus import make_word_tokenizer, write_jsonl
-from tests.fix_judged import CHOICE_WORDS, choice_options, word_corpus, word_offsets, word_phrases
+from tests.fix_judged import CHOICE_WORDS, choice_options, row_of, word_corpus, word_offsets, word_phrases
 from tests.fix_learning import published, version_rows
 
 
@@ -46,16 +46,10 @@ def test_split_holds_out_whole_documents_seeded() -> None:
     assert one[0].tolist() == tokens[:100].tolist() and one[3].tolist() == [0]  # one document: nothing held out
 
 
-def _row(tokens: list[int], tree: int, count: int) -> tuple[bytes, int, int, bytes]:
-    key = np.array(tokens, dtype=">u2").tobytes()
-    blob = encode_tree(np.array([tree]), np.array([-1], dtype=np.int32), np.array([count]), vocab_size=100)
-    return key, len(tokens), count, blob
-
-
 @pytest.mark.parametrize(("follows", "rule"), [(11, "longest"), (10, "prune")])
 def test_the_rule_whose_tree_the_held_out_text_follows_is_chosen(follows: int, rule: str) -> None:
     # "1" is followed by 10 five hundred times; "2 1" once, by 11: `expected` (and so prune) drafts 10 after "2 1"
-    rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
+    rows = [row_of([1], 10, 500), row_of([2, 1], 11, 1)]
     keep = prune_mask(rows, width=2, max_matches=5000)
     assert keep == [True, False]
     held = (np.array([2, 1, follows], dtype=np.int32), word_offsets([3]))
@@ -105,7 +99,7 @@ def test_novel_positions_without_windows_or_build() -> None:
 def test_only_novel_positions_are_judged() -> None:
     # the build repeats "2 1 11": "2 1" has a thin tree (11), "1" a rich one (10, 500 times). Held out: the repeat
     # (every window seen: longest is right there), then "2 1 10 3", whose windows after "2 1" are new (prune is right)
-    rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
+    rows = [row_of([1], 10, 500), row_of([2, 1], 11, 1)]
     keep = prune_mask(rows, width=2, max_matches=5000)
     copies = [2, 1, 11] * 4
     held = (np.array(copies + [2, 1, 10, 3], dtype=np.int32), word_offsets([len(copies), 4]))
@@ -121,7 +115,7 @@ def test_only_novel_positions_are_judged() -> None:
 
 
 def test_a_tie_keeps_prune_the_smaller() -> None:
-    rows = [_row([1], 10, 500), _row([2, 1], 11, 1)]
+    rows = [row_of([1], 10, 500), row_of([2, 1], 11, 1)]
     held = (np.array([3, 3, 3], dtype=np.int32), word_offsets([3]))  # no stored suffix anywhere
     choice = choose_rule(rows, [True, False], held, width=2, max_n=4, length=3, table=None, seed=0)
     assert choice.rule == "prune" and choice.m_prune == choice.m_longest == 1.0

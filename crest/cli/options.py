@@ -108,7 +108,8 @@ SuffixRule = Annotated[
         "by its longest suffix, whichever drafts better on a held-out 1% of the corpus, at the positions whose "
         "surrounding text the rest never holds verbatim; chosen by a trial build without that 1%, then built from "
         "the whole corpus; or on --suffix-judge, which --engine spark needs). With --budget, prune fills the "
-        "budget with the rows it keeps.",
+        "budget with the rows it keeps, and auto compares the two rules at equal bytes and fills it the chosen "
+        "rule's way (in process only).",
     ),
 ]
 SuffixJudge = Annotated[

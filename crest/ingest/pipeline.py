@@ -29,6 +29,7 @@ from crest.errors import CorpusError
 from crest.ingest.corpus import CorpusReport, iter_documents
 from crest.ingest.loader import Reporter, RowLoader, RowReuse, SilentReporter
 from crest.ingest.ngrams import count_ngrams
+from crest.ingest.novelty import novel_positions
 from crest.ingest.publishing import (
     CHUNK_TOKENS,
     IngestSummary,
@@ -43,8 +44,8 @@ from crest.ingest.suffix_choice import (
     choose_at_ingest,
     judge_by,
     judge_documents,
+    loading_options,
     made_before,
-    novel_positions,
     sample_judge,
     tokenize_judge,
 )
@@ -182,9 +183,11 @@ def build_store(
     seconds = {} if seconds is None else seconds
     choose: Choose | None = None
     novel = None
-    if options.suffix_rule == "auto":  # the rule: on a trial build without a held-out slice, or on `judge`
+    figures: dict[str, Any] | None = None
+    if options.suffix_rule == "auto":  # the rule: on a trial build (held-out slice or `judge`), or on `judge` later
         t0 = time.perf_counter()
-        if judge is None:
+        judge = sample_judge(*judge, seed=options.seed) if judge is not None else None
+        if judge is None or options.budget is not None:  # a budget's rows depend on the rule: choose first
             figures = choose_at_ingest(
                 tokens,
                 offsets,
@@ -193,10 +196,10 @@ def build_store(
                 chunk_tokens=chunk_tokens,
                 reporter=rep,
                 min_count=min_count,
+                judge=judge,
             )
-            choose = made_before(figures)
+            choose, judge = made_before(figures), None
         else:
-            judge = sample_judge(*judge, seed=options.seed)
             novel = novel_positions((tokens, offsets), judge, window=options.max_n, chunk_tokens=chunk_tokens)
         seconds["suffix_choice"] = time.perf_counter() - t0
     else:
@@ -217,7 +220,8 @@ def build_store(
     with building(dsn, store, vocabulary=vocabulary, options=options, params=params, tier=tier) as build:
         t0 = time.perf_counter()
         fault_pause("build")
-        loader = RowLoader(build, vocabulary.size, options, chunk_tokens=chunk_tokens, min_count=min_count)
+        loading = loading_options(options, figures)  # auto under a budget: filled the chosen rule's way
+        loader = RowLoader(build, vocabulary.size, loading, chunk_tokens=chunk_tokens, min_count=min_count)
         loader.fixed_table, loader.reuse = token_table, reuse
         top_t = loader.load(tokens, offsets, counts, rep)
         if judge is not None:

@@ -120,9 +120,14 @@ def check_ingest(
 
 
 def check_judge(options: IngestOptions, *, judged: bool, engine: str = "inprocess") -> None:
-    """Raise ConfigError unless a judge corpus comes with `--suffix-rule auto`, which on Spark needs one."""
+    """Raise ConfigError unless a judge corpus comes with `--suffix-rule auto` (on Spark: needed, and no budget)."""
     if judged and options.suffix_rule != "auto":
         raise ConfigError("--suffix-judge is the text --suffix-rule auto chooses its rule on: give --suffix-rule auto")
+    if engine == "spark" and options.suffix_rule == "auto" and options.budget is not None:
+        raise ConfigError(  # which rows fill a budget depends on the rule: chosen first, on a trial build in process
+            "--engine spark cannot fill --budget under --suffix-rule auto (its rows depend on the rule chosen): give "
+            "--suffix-rule prune or lookup with --budget, --top-t with auto, or --engine inprocess"
+        )
     if engine == "spark" and options.suffix_rule == "auto" and not judged:  # no trial build on Spark
         raise ConfigError(
             "--engine spark chooses --suffix-rule auto on --suffix-judge only (the held-out trial build runs in "

@@ -20,7 +20,8 @@ from psycopg import sql
 
 from crest import db
 from crest.config import IngestOptions
-from crest.ingest.suffix_choice import JudgedWindows, judge_by, judged_positions, sample_judge, seen_windows
+from crest.ingest.novelty import JudgedWindows, judged_positions, seen_windows
+from crest.ingest.suffix_choice import judge_by, sample_judge
 from crest.ingest.suffixes import Row, prune_mask
 
 if TYPE_CHECKING:

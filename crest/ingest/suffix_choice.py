@@ -15,13 +15,16 @@ than prompts that are not copies of the corpus do (on the standard library by 10
 plus one (a proxy of M) is kept, `prune` on a tie (fewer bytes). The store is then built from the whole corpus
 with that rule (so an `auto` build costs about two): `prune` drops the rows `expected` never drafts from, `longest`
 keeps every row. Either way a lookup reads one row, the longest stored suffix (the client reads every rule but
-`lookup` so), and the choice and both estimates are recorded in the version's figures (`suffix_choice`).
+`lookup` so), and the choice and both estimates are recorded in the version's figures (`suffix_choice`). Under a
+`--budget` the rules are compared at equal bytes: each on the rows it fills the budget with (`prune` counts only
+the rows it keeps, so it reaches further down the ranks), and the store is loaded the chosen rule's way; a judge
+corpus then gets a trial build of the whole corpus too, since which rows are loaded depends on the rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +38,12 @@ from crest.errors import CorpusError
 from crest.ingest.corpus import CorpusReport, Document, iter_documents
 from crest.ingest.loader import Advance, Reporter, RowLoader
 from crest.ingest.ngrams import count_ngrams
+from crest.ingest.novelty import judged_positions, novel_positions
 from crest.ingest.suffixes import Choose, Row, prune_mask
 from crest.ingest.tokenizer import tokenize_corpus
 
 HELD_FRACTION = 0.01  # of the corpus's tokens held out of an `auto` build to choose its rule on
 HELD_TOKENS = 200_000  # at most
-POSITIONS = 4000  # held-out positions the rules are compared at, at most
-_PRIME = np.uint64(1099511628211)  # of the polynomial window hash (FNV's 64-bit prime)
 
 
 @dataclass
@@ -71,15 +73,22 @@ def choose_at_ingest(
     chunk_tokens: int,
     reporter: Reporter,
     min_count: int = 1,
+    judge: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """Return the figures of the rule a trial build of the corpus without its held-out slice drafts it better with.
+    """Return the figures of the rule a trial build drafts the judged text better with.
 
-    The trial's rows stay in memory (as many as the build itself reads back to resolve them); the store is then
-    built from the whole corpus with the rule chosen, so no document is left out of it.
+    Without `judge`, the trial is built from the corpus without its held-out slice and judged on that slice; with
+    it, from the whole corpus and judged on `judge`. The trial's rows stay in memory (as many as the build itself
+    reads back to resolve them); the store is then built from the whole corpus with the rule chosen. With a
+    `--budget` each rule is judged on the rows it fills the budget with (`prune` reaches further down the ranks,
+    since the rows it drops cost nothing): two trial loads, compared at equal bytes.
     """
     # tokens: [N] int32, offsets: [D + 1] int64
-    b_tokens, b_offsets, *held = split_held_out(tokens, offsets, seed=options.seed)
-    text = (held[0], held[1])
+    if judge is None:
+        b_tokens, b_offsets, *held = split_held_out(tokens, offsets, seed=options.seed)
+        text, judged_on = (held[0], held[1]), "held-out"
+    else:
+        b_tokens, b_offsets, text, judged_on = tokens, offsets, judge, "judge"
     novel = novel_positions((b_tokens, b_offsets), text, window=options.max_n, chunk_tokens=chunk_tokens)
     trial = _Trial(reporter)
     counts = count_ngrams(
@@ -91,11 +100,29 @@ def choose_at_ingest(
         chunk_tokens=chunk_tokens,
     )
     trial.done("count n-grams")
-    loader = RowLoader(trial, vocab_size, options, chunk_tokens=chunk_tokens, min_count=min_count)
-    loader.load(b_tokens, b_offsets, counts, trial)
-    rows = sorted(trial.rows, key=lambda row: row[1])  # by n, as the build's table is read
-    choose = judge_by(text, novel, options=options, table=loader.table, width=loader.width, judged_on="held-out")
-    return choose(rows, prune_mask(rows, width=loader.width, max_matches=options.max_matches))
+    rules = ("prune", "lookup") if options.budget is not None else ("auto",)
+    loaded: list[list[Row]] = []
+    for rule in rules:
+        trial.rows = []
+        opts = replace(options, suffix_rule=rule)
+        loader = RowLoader(trial, vocab_size, opts, chunk_tokens=chunk_tokens, min_count=min_count)
+        loader.load(b_tokens, b_offsets, counts, trial)
+        loaded.append(sorted(trial.rows, key=lambda row: row[1]))  # by n, as the build's table is read
+    keep = prune_mask(loaded[0], width=loader.width, max_matches=options.max_matches)
+    return choose_rule(
+        loaded[0],
+        keep,
+        text,
+        longest_rows=loaded[-1],
+        **_judging(options, table=loader.table, width=loader.width, novel=novel, judged_on=judged_on),
+    ).figures()
+
+
+def loading_options(options: IngestOptions, figures: dict[str, Any] | None) -> IngestOptions:
+    """Return the options an `auto` build loads its rows with: with a budget, the chosen rule's way of filling it."""
+    if options.suffix_rule != "auto" or options.budget is None or figures is None:
+        return options
+    return replace(options, suffix_rule="prune" if figures["rule"] == "prune" else "lookup")
 
 
 class _Trial:
@@ -196,13 +223,21 @@ def choose_rule(
     seed: int,
     novel: np.ndarray | None = None,
     judged_on: str = "held-out",
+    longest_rows: Sequence[Row] | None = None,
 ) -> Choice:
     """Return the rule whose trees match the held-out text better: `prune` (rows where `keep`) or `longest` (all).
 
-    `novel` ([H] bools over the held-out tokens, `novel_positions`) limits the judged positions to novel ones.
+    `novel` ([H] bools over the held-out tokens, `novel_positions`) limits the judged positions to novel ones;
+    `longest_rows` are the rows `longest` reads when they are not `rows` (a budget filled by each rule's own way).
     """
     tokens, offsets = held
-    stored = {key: (n, tree, kept) for (key, n, _, tree), kept in zip(rows, keep, strict=True)}
+    trees = {key: (n, tree) for key, n, _, tree in rows}
+    kept = {key for (key, *_), k in zip(rows, keep, strict=True) if k}
+    if longest_rows is None:
+        every: Collection[bytes] = trees
+    else:
+        every = {key for key, *_ in longest_rows}
+        trees.update((key, (n, tree)) for key, n, _, tree in longest_rows)
     at, judged_novel = judged_positions(offsets, novel, seed=seed)
     decoded: dict[bytes, Draft] = {}
     scores = {"prune": 0, "longest": 0}
@@ -211,18 +246,17 @@ def choose_rule(
         truth = tokens[p : min(end, p + length)].tolist()
         longest = pruned = None
         for cut in range(0, len(context), width):  # suffixes longest first
-            found = stored.get(context[cut:])
-            if found is None:
-                continue
-            if longest is None:
-                longest = context[cut:]
-            if found[2]:
-                pruned = context[cut:]
+            suffix = context[cut:]
+            if longest is None and suffix in every:
+                longest = suffix
+            if pruned is None and suffix in kept:
+                pruned = suffix
+            if longest is not None and pruned is not None:
                 break
         for rule, key in (("longest", longest), ("prune", pruned)):
             if key is not None:
                 if key not in decoded:
-                    n, tree, _ = stored[key]
+                    n, tree = trees[key]
                     decoded[key] = decode_tree(tree, n=n, table=table)
                 scores[rule] += len(match_path(decoded[key], truth))
     count = max(1, len(at))
@@ -256,119 +290,22 @@ def judge_by(
     """Return auto's choice on `text` (a judge corpus, or a held-out slice): rows and prune's mask -> its figures."""
 
     def choose(rows: Sequence[Row], keep: Sequence[bool]) -> dict[str, Any]:
-        return choose_rule(
-            rows,
-            keep,
-            text,
-            width=width,
-            max_n=options.max_n,
-            length=options.continuation_length,
-            table=table if options.blob_format == 2 else None,
-            seed=options.seed,
-            novel=novel,
-            judged_on=judged_on,
-        ).figures()
+        judging = _judging(options, table=table, width=width, novel=novel, judged_on=judged_on)
+        return choose_rule(rows, keep, text, **judging).figures()
 
     return choose
 
 
-def novel_positions(
-    build: tuple[np.ndarray, np.ndarray],
-    held: tuple[np.ndarray, np.ndarray],
-    *,
-    window: int,
-    chunk_tokens: int = 1 << 22,
-) -> np.ndarray:
-    """Return [H] bools: the held-out positions p whose tokens [p - window, p + window) lie in p's document and
-    occur in no build document.
-
-    Windows are compared by a 64-bit polynomial hash; the build is read in chunks of `chunk_tokens` windows, so
-    memory stays bounded by the chunk and the held-out slice, not the corpus.
-    """
-    # build, held: (tokens [N] int32, offsets [D + 1] int64)
-    windows = JudgedWindows.of(held, window=window)
-    return windows.novel(seen_windows(*build, windows.wanted, size=2 * window, chunk_tokens=chunk_tokens))
-
-
-@dataclass
-class JudgedWindows:
-    """The windows around a judged text's positions: where each starts, and their distinct hashes."""
-
-    positions: int  # H, the judged text's tokens
-    window: int
-    starts: np.ndarray  # [W] int64 starts of the windows inside one document
-    wanted: np.ndarray  # [U] uint64 distinct window hashes, sorted
-    first: np.ndarray  # [W] index into `wanted` of each window's hash
-
-    @classmethod
-    def of(cls, held: tuple[np.ndarray, np.ndarray], *, window: int) -> JudgedWindows:
-        """Return the windows of `2 * window` tokens of the judged text (tokens, offsets)."""
-        tokens, offsets = held
-        size = 2 * window
-        starts = _window_starts(offsets, 0, max(tokens.shape[0] - size + 1, 0), size)  # [W] inside a document
-        hashes = _window_hashes(tokens, starts, size)
-        wanted, first = np.unique(hashes, return_inverse=True)
-        return cls(int(tokens.shape[0]), window, starts, wanted, first.reshape(-1))
-
-    def novel(self, seen: np.ndarray) -> np.ndarray:
-        """Return [H] bools: the positions whose window is not `seen` ([U] bools over `wanted`)."""
-        found = np.zeros(self.positions, dtype=bool)
-        if self.starts.shape[0]:
-            found[self.starts + self.window] = ~seen[self.first]
-        return found
-
-
-def seen_windows(
-    tokens: np.ndarray, offsets: np.ndarray, wanted: np.ndarray, *, size: int, chunk_tokens: int = 1 << 22
-) -> np.ndarray:
-    """Return [U] bools: which of the `wanted` window hashes (sorted) occur in these documents' windows of `size`.
-
-    The documents are read in chunks of `chunk_tokens` windows, so memory stays bounded by the chunk.
-    """
-    # tokens: [N] int32, offsets: [D + 1] int64
-    seen = np.zeros(wanted.shape[0], dtype=bool)
-    if not wanted.shape[0]:
-        return seen
-    total = max(int(tokens.shape[0]) - size + 1, 0)
-    for lo in range(0, total, chunk_tokens):
-        at = _window_starts(offsets, lo, min(lo + chunk_tokens, total), size)
-        got = _window_hashes(tokens, at, size)
-        where = np.minimum(np.searchsorted(wanted, got), wanted.shape[0] - 1)
-        seen[where[wanted[where] == got]] = True
-    return seen
-
-
-def _window_starts(offsets: np.ndarray, lo: int, hi: int, size: int) -> np.ndarray:
-    """Return the starts q in [lo, hi) whose `size` tokens lie inside one document."""
-    q = np.arange(lo, hi, dtype=np.int64)
-    doc = np.searchsorted(offsets, q, side="right") - 1  # [Q] the document each window starts in
-    return q[q + size <= offsets[np.minimum(doc + 1, offsets.shape[0] - 1)]]
-
-
-def _window_hashes(tokens: np.ndarray, starts: np.ndarray, size: int) -> np.ndarray:
-    """Return the 64-bit hash of tokens[q : q + size] for each start q (uint64 arithmetic wraps)."""
-    h = np.zeros(starts.shape[0], dtype=np.uint64)
-    for k in range(size):
-        h = h * _PRIME + tokens[starts + k].astype(np.uint64) + np.uint64(1)
-    return h
-
-
-def judged_positions(
-    offsets: np.ndarray, novel: np.ndarray | None, *, seed: int
-) -> tuple[list[tuple[int, int, int]], bool]:
-    """Return up to `POSITIONS` seeded (its document's start, position, its document's end) with a token before and
-    one after, novel ones only when `novel` marks any, and whether they are."""
-    at = np.arange(int(offsets[-1]) if offsets.shape[0] else 0, dtype=np.int64)
-    doc = np.searchsorted(offsets, at, side="right") - 1  # [H] the document of each held-out token
-    usable = at > offsets[doc]  # p with start < p < end
-    judged_novel = novel is not None and bool(np.count_nonzero(novel & usable))
-    if judged_novel:
-        assert novel is not None
-        usable &= novel
-    candidates = at[usable]
-    if candidates.shape[0] == 0:
-        return [], False
-    count = candidates.shape[0]
-    p = candidates[np.sort(np.random.default_rng(seed).choice(count, size=min(POSITIONS, count), replace=False))]
-    spans = offsets[doc[p]].tolist(), p.tolist(), offsets[doc[p] + 1].tolist()
-    return list(zip(*spans, strict=True)), judged_novel
+def _judging(
+    options: IngestOptions, *, table: TokenTable, width: int, novel: np.ndarray | None, judged_on: str
+) -> dict[str, Any]:
+    """Return `choose_rule`'s settings for a build of these options."""
+    return {
+        "width": width,
+        "max_n": options.max_n,
+        "length": options.continuation_length,
+        "table": table if options.blob_format == 2 else None,
+        "seed": options.seed,
+        "novel": novel,
+        "judged_on": judged_on,
+    }
