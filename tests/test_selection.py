@@ -14,7 +14,7 @@ from crest_client.codec import encode_tree
 
 from crest.config import IngestOptions
 from crest.errors import EXIT_USAGE, ConfigError
-from crest.ingest.loader import estimate_row_bytes
+from crest.ingest.disk import estimate_row_bytes, fixed_bytes, store_bytes
 from crest.ingest.pipeline import Vocabulary, build_store
 from crest.ingest.selection import choose, expected_accepted, score
 
@@ -76,11 +76,12 @@ def test_budget_respected(db_dsn: str, rows: int) -> None:
     build(db_dsn, "big", top_t=10, keep="savings")
     every = stored(db_dsn, "big")
     sizes = sorted(int(estimate_row_bytes(1, len(tree))) for _, tree in every)
-    budget = sum(sizes[-rows:])  # room for `rows` rows of any size, not for all
+    fixed = fixed_bytes(4 * len(set(corpus()[0].tolist())))  # the token table: 4 bytes a token seen
+    budget = int(store_bytes(sum(sizes[-rows:]), rows, fixed=fixed))  # room for `rows` rows of any size, not all
     build(db_dsn, "fit", budget=budget, keep="savings")
     kept = stored(db_dsn, "fit")
     assert 0 < len(kept) < len(every)
-    assert sum(int(estimate_row_bytes(1, len(tree))) for _, tree in kept) <= budget
+    assert store_bytes(sum(int(estimate_row_bytes(1, len(tree))) for _, tree in kept), len(kept), fixed=fixed) <= budget
     assert STEADY in first_tokens(kept)  # the best score comes first
 
 
@@ -131,8 +132,10 @@ def test_marginal_gain_over_suffix() -> None:
 
 
 def test_choose_within_budget() -> None:
-    picked = choose(np.array([1.0, 5.0, 3.0]), np.array([10, 10, 10]), budget=25)
+    budget = int(store_bytes(20, 2, fixed=100))  # two rows of 10 heap bytes, their hash index and 100 fixed bytes
+    picked = choose(np.array([1.0, 5.0, 3.0]), np.array([10, 10, 10]), budget=budget, fixed=100)
     assert picked.tolist() == [1, 2]
+    assert choose(np.array([1.0, 5.0, 3.0]), np.array([10, 10, 10]), budget=budget, fixed=110).tolist() == [1]
 
 
 @pytest.mark.parametrize("selection", ["upto", "single", "combined"])

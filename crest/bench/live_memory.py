@@ -20,7 +20,8 @@ from crest_client.codec import TokenTable, decode_tree, token_width
 from crest_client.draft import Draft
 
 from crest.config import IngestOptions
-from crest.ingest.loader import RowLoader, SilentReporter, estimate_row_bytes
+from crest.ingest.disk import estimate_row_bytes, hash_index_bytes
+from crest.ingest.loader import RowLoader, SilentReporter
 from crest.ingest.ngrams import count_ngrams
 from crest.learning.live import DEFAULT_MIN_COUNT
 
@@ -116,4 +117,4 @@ class LiveTrees:
             return 0
         n = np.fromiter((r[0] for r in self.rows.values()), dtype=np.int64, count=len(self.rows))
         blob = np.fromiter((len(r[2]) for r in self.rows.values()), dtype=np.int64, count=len(self.rows))
-        return int(estimate_row_bytes(n * self.width, blob).sum())
+        return int(estimate_row_bytes(n * self.width, blob).sum() + hash_index_bytes(len(self.rows)))

@@ -48,7 +48,11 @@ def ingest(
         ),
     ] = None,
     budget: Annotated[
-        str | None, typer.Option(help="Largest T whose store (its rows left after pruning) fits this size, e.g. 200MB.")
+        str | None,
+        typer.Option(
+            help="Largest T whose store fits this size on disk as `crest stores` reports it (its rows left after "
+            "pruning, their hash index, its token table), e.g. 200MB."
+        ),
     ] = None,
     continuation_length: Annotated[int, typer.Option(help="Tokens of continuation per occurrence.")] = 10,
     max_matches: Annotated[int, typer.Option(help="Occurrences sampled per n-gram at most.")] = 5000,

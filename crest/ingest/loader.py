@@ -4,7 +4,7 @@
 byte budget, or by expected savings through `crest.ingest.selection`), builds the trees in batches, encodes them
 against one token table and copies the rows into the build, accounting kept n-grams, nodes, bytes and the key
 filter as it goes; rows a `RowReuse` supplies (the live tier's incremental refresh) are copied instead of built.
-`estimate_row_bytes` is the on-disk row cost every byte budget and size estimate uses.
+Budgets count what the version reports on disk (`crest.ingest.disk`): rows, their hash index and fixed parts.
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 from crest.config import IngestOptions, fault_pause
+from crest.ingest.disk import estimate_row_bytes, fit_count, fixed_bytes
 from crest.ingest.ngrams import Selected, lengths_for, select_top
-from crest.ingest.pruned_budget import PrunedBytes, first_over
+from crest.ingest.pruned_budget import PrunedBytes
 from crest.ingest.selection import load_savings
 from crest.ingest.trees import TreeBatch, build_trees
 
 Advance = Callable[[int], None]
-
-# On-disk cost of a row besides its key and blob: heap tuple header (24), store_id (4), n (2), count (4),
-# varlena headers, alignment, the line pointer (4) and a hash index entry (~20 at the default fill factor).
-_HASH_ENTRY_BYTES = 22
 
 
 class Reporter(Protocol):
@@ -55,16 +52,6 @@ class RowReuse(Protocol):
     def copy(self, build: db.Build, n: int, ngrams: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int, int]:
         """Copy the rows it can into the build; return (mask [K] of the n-grams copied, their nodes, blob bytes)."""
         ...
-
-
-def estimate_row_bytes(key_bytes: np.ndarray | int, blob_bytes: np.ndarray | int) -> np.ndarray:
-    """Estimate the on-disk bytes of n-gram rows (heap tuple, line pointer, hash index entry)."""
-    key = np.asarray(key_bytes, dtype=np.int64)
-    blob = np.asarray(blob_bytes, dtype=np.int64)
-    blob_hdr = np.where(blob + 1 <= 126, 1, 4)
-    data = 4 + (key + 1) + 1 + 2 + 4 + 3 + blob_hdr + blob  # int4, key, pad, int2, int4 (aligned), blob
-    heap = (24 + data + 7) // 8 * 8 + 4
-    return heap + _HASH_ENTRY_BYTES + 2  # + the key filter's 10 bits
 
 
 class RowSink(Protocol):
@@ -229,11 +216,12 @@ class RowLoader:
         full = self.frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
         advance = rep.stage("build trees + load (budget)", None)
         pruned = PrunedBytes(self.width) if opts.suffix_rule == "prune" else None  # fill it with the rows kept
-        spent, lo, block = 0, 0, 4096
+        spent, spent_rows, lo, block = 0, 0, 0, 4096
         while lo < ceiling:
             hi = min(ceiling, lo + block)
             per_n: dict[int, list[tuple[int, bytes, int, bytes, int]]] = {}
             rank_bytes = np.zeros(hi - lo, dtype=np.int64)
+            rank_rows = np.zeros(hi - lo, dtype=np.int64)
             meta: dict[str, list[Any]] = {"keys": [], "ranks": [], "promises": [], "sizes": []}  # PrunedBytes.block's
             for n, sel in full.items():
                 part = sel.ngrams[lo:hi]
@@ -244,20 +232,29 @@ class RowLoader:
                 ranks = np.array([r[0] for r in rows], dtype=np.int64)
                 sizes = estimate_row_bytes(n * self.width, np.array([len(r[3]) for r in rows], dtype=np.int64))
                 np.add.at(rank_bytes, ranks, sizes)
+                np.add.at(rank_rows, ranks, 1)
                 if pruned is not None:
                     meta["keys"] += [r[1] for r in rows]
                     meta["ranks"] += (lo + ranks).tolist()
                     meta["promises"] += [promise(n, r[2], r[3], max_matches=opts.max_matches) for r in rows]
                     meta["sizes"] += sizes.tolist()
-            cum = spent + np.cumsum(rank_bytes) if pruned is None else pruned.block(lo, hi, **meta)
-            fit = first_over(cum, opts.budget)  # ranks lo..lo+fit-1 fit
+            if pruned is None:
+                cum, cum_rows = spent + np.cumsum(rank_bytes), spent_rows + np.cumsum(rank_rows)
+            else:
+                cum, cum_rows = pruned.block(lo, hi, **meta)
+            fit = fit_count(cum, cum_rows, budget=opts.budget, fixed=self.fixed_bytes())  # ranks lo..lo+fit-1 fit
             for n, rows in per_n.items():
                 self.build.copy_ngrams(self.account(n, [r for r in rows if r[0] < fit], advance))
             if fit < hi - lo:
                 return lo + fit
-            spent = int(cum[-1]) if len(cum) else spent
+            if len(cum):
+                spent, spent_rows = int(cum[-1]), int(cum_rows[-1])
             lo, block = hi, block * 2
         return ceiling
+
+    def fixed_bytes(self) -> int:
+        """Return the version's bytes that do not grow with its rows (its token table known)."""
+        return fixed_bytes(len(self.table.to_bytes()))
 
     def account(
         self, n: int, rows: Iterable[tuple[int, bytes, int, bytes, int]], advance: Advance

@@ -32,6 +32,7 @@ class PrunedBytes:
         self.waiting: dict[bytes, list[tuple[bytes, float, int]]] = {}  # suffix key not built -> (row, promise, size)
         self.dropped: set[bytes] = set()  # rows a built suffix outranks (at a rank of this or an earlier block)
         self.spent = 0  # the kept bytes below the current block's first rank
+        self.rows = 0  # the kept rows below it
 
     def block(
         self,
@@ -42,9 +43,10 @@ class PrunedBytes:
         ranks: Sequence[int],
         promises: Sequence[float],
         sizes: Sequence[int],
-    ) -> np.ndarray:
-        """Add the rows ranked [lo, hi) of every n; return the kept bytes of the ranks below lo+1 .. hi."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Add the rows ranked [lo, hi) of every n; return the kept bytes and rows of the ranks below lo+1 .. hi."""
         events = np.zeros(hi - lo, dtype=np.int64)  # events[i]: bytes gained (or lost) when rank lo + i joins
+        counts = np.zeros(hi - lo, dtype=np.int64)  # counts[i]: rows gained (or lost) then
         for key, r, p in zip(keys, ranks, promises, strict=True):
             self.built[key] = (int(r), float(p))
         for key, r, p, size in zip(keys, ranks, promises, sizes, strict=True):
@@ -53,8 +55,10 @@ class PrunedBytes:
                 self.dropped.add(key)  # outranked from the rank it joins at: never kept
                 continue
             events[int(r) - lo] += int(size)
+            counts[int(r) - lo] += 1
             if drop is not None:
                 events[drop - lo] -= int(size)
+                counts[drop - lo] -= 1
                 self.dropped.add(key)
                 continue
             for suffix in absent:  # a suffix built later can still outrank it
@@ -67,10 +71,12 @@ class PrunedBytes:
                     drops[key] = (int(r), size)
         for key, (r, size) in drops.items():
             events[r - lo] -= size
+            counts[r - lo] -= 1
             self.dropped.add(key)
-        cum = self.spent + np.cumsum(events)
-        self.spent = int(cum[-1]) if len(cum) else self.spent
-        return cum
+        cum, rows = self.spent + np.cumsum(events), self.rows + np.cumsum(counts)
+        if len(cum):
+            self.spent, self.rows = int(cum[-1]), int(rows[-1])
+        return cum, rows
 
     def _outranks(self, promise: float, suffix: bytes, row_promise: float, row: bytes) -> bool:
         """Return whether a stored suffix of a row makes pruning drop the row (`kept_by_prune`'s rule)."""
@@ -88,9 +94,3 @@ class PrunedBytes:
             elif self._outranks(found[1], key[cut:], promise, key) and (drop is None or found[0] < drop):
                 drop = found[0]
         return drop, absent
-
-
-def first_over(cum: np.ndarray, budget: int) -> int:
-    """Return how many ranks of a block fit: those before the first whose kept bytes exceed the budget."""
-    over = np.flatnonzero(cum > budget)
-    return int(over[0]) if len(over) else len(cum)

@@ -183,7 +183,10 @@ def publish_summary(
     """Publish the build with the summary's figures (refusing an empty store), then record time and peak memory."""
     if summary.rows == 0 and not allow_empty:
         if summary.top_t == 0 and any(summary.counted.values()):  # --budget reached no rank at all
-            raise ConfigError("nothing to store: the budget is too small for even one n-gram per n")
+            raise ConfigError(
+                "nothing to store: the budget is too small for even one n-gram per n (a version takes 80 kB or more "
+                "on disk before its first row: its token table, its table's maps and its hash index's first pages)"
+            )
         raise ConfigError(
             f"nothing to store: the corpus ({summary.documents} documents, {summary.tokens} tokens) has no n-gram "
             "that is followed by a token often enough to keep; give a larger corpus"

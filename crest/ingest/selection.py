@@ -27,8 +27,9 @@ from crest_client.codec import TokenTable, decode_tree
 
 from crest.config import KEEP_RULES, IngestOptions
 from crest.errors import ConfigError
+from crest.ingest.disk import fit_count
 from crest.ingest.ngrams import NgramCounts, Selected, lengths_for, select_top
-from crest.ingest.pruned_budget import PrunedBytes, first_over
+from crest.ingest.pruned_budget import PrunedBytes
 
 Advance = Callable[[int], None]
 Row = tuple[int, bytes, int, bytes, int]  # (index in the selection, key, count, blob, nodes)
@@ -45,6 +46,8 @@ class Loader(Protocol):
     width: int
 
     def frequent(self, selected: dict[int, Selected]) -> dict[int, Selected]: ...
+
+    def fixed_bytes(self) -> int: ...
 
     def encoded(
         self, tokens: np.ndarray, offsets: np.ndarray, n: int, ngrams: np.ndarray, counts: np.ndarray
@@ -67,24 +70,36 @@ def score(counts: np.ndarray, expected: np.ndarray, *, suffix_expected: np.ndarr
     return counts.astype(np.float64) * gain
 
 
-def choose(scores: np.ndarray, sizes: np.ndarray, *, rows: int | None = None, budget: int | None = None) -> np.ndarray:
-    """Return the indices of the best-scoring rows: the first `rows`, or the longest prefix within `budget` bytes."""
+def choose(
+    scores: np.ndarray, sizes: np.ndarray, *, rows: int | None = None, budget: int | None = None, fixed: int = 0
+) -> np.ndarray:
+    """Return the indices of the best-scoring rows: the first `rows`, or the longest prefix within `budget` bytes.
+
+    `sizes` are the rows' heap bytes; the budget also pays their hash index and `fixed` (`crest.ingest.disk`).
+    """
     order = np.argsort(-scores, kind="stable")  # ties: pool order (count order, shorter n first)
     if rows is not None:
         return order[:rows]
     if budget is None:
         raise ConfigError("choose needs rows or a budget")
-    fit = int(np.searchsorted(np.cumsum(sizes[order]), budget, side="right"))
-    return order[:fit]
+    counts = np.arange(1, order.shape[0] + 1, dtype=np.int64)
+    return order[: fit_count(np.cumsum(sizes[order]), counts, budget=budget, fixed=fixed)]
 
 
 def choose_pruned(
-    scores: np.ndarray, sizes: np.ndarray, *, keys: list[bytes], promises: list[float], width: int, budget: int
+    scores: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    keys: list[bytes],
+    promises: list[float],
+    width: int,
+    budget: int,
+    fixed: int = 0,
 ) -> np.ndarray:
     """Return the indices of the best-scoring rows: the longest prefix whose rows left by `prune` fit `budget`."""
     order = np.argsort(-scores, kind="stable")  # as `choose`: each row its own rank, best first
     picked = order.tolist()
-    cum = PrunedBytes(width).block(
+    cum, rows = PrunedBytes(width).block(
         0,
         len(picked),
         keys=[keys[i] for i in picked],
@@ -92,7 +107,7 @@ def choose_pruned(
         promises=[promises[i] for i in picked],
         sizes=sizes[order].tolist(),
     )
-    return order[: first_over(cum, budget)]
+    return order[: fit_count(cum, rows, budget=budget, fixed=fixed)]
 
 
 def load_savings(
@@ -138,7 +153,7 @@ def load_savings(
                 spent += size
                 advance(1)
         if pruned is not None:
-            cum = pruned.block(lo, hi, **meta)
+            cum, _ = pruned.block(lo, hi, **meta)
             spent = int(cum[-1]) if len(cum) else spent
         lo, block = hi, block * 2
     rep.done("build trees (pool)")
@@ -170,9 +185,12 @@ def load_savings(
     limit_rows = None if opts.budget is not None else (opts.top_t or 0) * len(ns)
     scores, sizes = np.concatenate(parts_score), np.concatenate(parts_size)
     if prune_budget and opts.budget is not None:  # fill the budget with the rows pruning keeps
-        kept = choose_pruned(scores, sizes, keys=keys, promises=row_promises, width=width, budget=opts.budget)
+        fixed = loader.fixed_bytes()
+        kept = choose_pruned(
+            scores, sizes, keys=keys, promises=row_promises, width=width, budget=opts.budget, fixed=fixed
+        )
     else:
-        kept = choose(scores, sizes, rows=limit_rows, budget=opts.budget)
+        kept = choose(scores, sizes, rows=limit_rows, budget=opts.budget, fixed=loader.fixed_bytes())
     advance = rep.stage("load (by expected savings)", int(kept.shape[0]))
     for n, rows in pool.items():
         mine = np.sort(all_i[kept[all_n[kept] == n]])  # count order within n

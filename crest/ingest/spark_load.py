@@ -20,9 +20,10 @@ from crest_client.choice import promise
 from crest_client.codec import TokenTable
 
 from crest.config import IngestOptions
-from crest.ingest.loader import Reporter, SilentReporter, estimate_row_bytes
+from crest.ingest.disk import estimate_row_bytes, fit_count, fixed_bytes
+from crest.ingest.loader import Reporter, SilentReporter
 from crest.ingest.ngrams import lengths_for
-from crest.ingest.pruned_budget import PrunedBytes, first_over
+from crest.ingest.pruned_budget import PrunedBytes
 from crest.ingest.spark_prune import row_records
 from crest.ingest.spark_tasks import (
     LoadStats,
@@ -67,6 +68,7 @@ class Loader:
         self.job, self.parts, self.ranked, self.store_id, self.keep = job, parts, ranked, store_id, keep
         self.bases = job.sc.broadcast(bases)
         self.unigram = job.sc.broadcast(unigram)
+        self.fixed = fixed_bytes(4 * int(np.count_nonzero(unigram)))  # the version's token table: its seen tokens
         opts = job.options
         self.ns = lengths_for(range(1, opts.max_n + 1), mode=opts.selection, n=opts.single_n)
         self.stats: list[LoadStats] = []
@@ -87,18 +89,18 @@ class Loader:
             return opts.top_t
         ceiling = max(counted[n] for n in self.ns)
         pruned = PrunedBytes(self.job.width) if opts.suffix_rule == "prune" else None  # fill it with the rows kept
-        spent, lo, size = 0, 0, FIRST_BLOCK
+        spent, lo, size = np.zeros(2, dtype=np.int64), 0, FIRST_BLOCK  # spent: the bytes and rows loaded
         while lo < ceiling:
             hi = min(ceiling, lo + size)
             rows = self._rows(lo, hi)
             if pruned is None:
-                fit, block_bytes = self._fit(rows, lo, hi, spent, opts.budget)
+                fit, block = self._fit(rows, lo, hi, spent, opts.budget)
             else:
-                fit, block_bytes = self._fit_pruned(rows, lo, hi, pruned, opts.budget), 0
+                fit, block = self._fit_pruned(rows, lo, hi, pruned, opts.budget), np.zeros(2, dtype=np.int64)
             self._copy(rows, lo + fit)
             if fit < hi - lo:
                 return lo + fit
-            spent, lo, size = spent + block_bytes, hi, size * 2
+            spent, lo, size = spent + block, hi, size * 2
         return ceiling
 
     def _rows(self, lo: int, hi: int) -> RDD[Any]:
@@ -180,35 +182,39 @@ class Loader:
         job.figures["sample_shuffle_bytes"] += shuffled.value
         return rows
 
-    def _fit(self, rows: RDD[Any], lo: int, hi: int, spent: int, budget: int) -> tuple[int, int]:
-        """Return how many ranks of [lo, hi) fit the budget after `spent` bytes, and the block's bytes."""
-        span, width = hi - lo, self.job.width
+    def _fit(self, rows: RDD[Any], lo: int, hi: int, spent: np.ndarray, budget: int) -> tuple[int, np.ndarray]:
+        """Return how many ranks of [lo, hi) fit after `spent` [bytes, rows], and the block's [bytes, rows]."""
+        span, width, fixed = hi - lo, self.job.width, self.fixed
         coarse = min(span, 4096)
 
         def seg_start(s: int) -> int:
             return -(-s * span // coarse)  # first rank offset of segment s
 
         def per_segment(r: Rows) -> np.ndarray:
-            out = np.zeros(coarse, dtype=np.int64)
-            np.add.at(out, (r.ranks - lo) * coarse // span, _row_bytes(r, width))
+            out = np.zeros((2, coarse), dtype=np.int64)  # [bytes, rows] per segment
+            at = (r.ranks - lo) * coarse // span
+            np.add.at(out[0], at, _row_bytes(r, width))
+            np.add.at(out[1], at, 1)
             return out
 
-        seg = rows.map(per_segment).fold(np.zeros(coarse, dtype=np.int64), lambda a, b: a + b)
-        cum = spent + np.cumsum(seg)
-        if cum[-1] <= budget:
-            return span, int(seg.sum())
-        s = int(np.searchsorted(cum, budget, side="right"))  # the segment the budget runs out in
+        seg = rows.map(per_segment).fold(np.zeros((2, coarse), dtype=np.int64), lambda a, b: a + b)
+        cum = spent[:, None] + np.cumsum(seg, axis=1)  # [2, coarse]
+        s = fit_count(cum[0], cum[1], budget=budget, fixed=fixed)  # the segment the budget runs out in
+        if s == coarse:
+            return span, seg.sum(axis=1)
         a, b = seg_start(s), seg_start(s + 1)
 
         def per_rank(r: Rows) -> np.ndarray:
-            out = np.zeros(b - a, dtype=np.int64)
+            out = np.zeros((2, b - a), dtype=np.int64)
             m = (r.ranks >= lo + a) & (r.ranks < lo + b)
-            np.add.at(out, r.ranks[m] - lo - a, _row_bytes(r, width)[m])
+            np.add.at(out[0], r.ranks[m] - lo - a, _row_bytes(r, width)[m])
+            np.add.at(out[1], r.ranks[m] - lo - a, 1)
             return out
 
-        fine = rows.map(per_rank).fold(np.zeros(b - a, dtype=np.int64), lambda x, y: x + y)
-        before = int(cum[s - 1]) if s else spent
-        return a + int(np.searchsorted(before + np.cumsum(fine), budget, side="right")), int(seg.sum())
+        fine = rows.map(per_rank).fold(np.zeros((2, b - a), dtype=np.int64), lambda x, y: x + y)
+        before = cum[:, s - 1] if s else spent
+        within = before[:, None] + np.cumsum(fine, axis=1)
+        return a + fit_count(within[0], within[1], budget=budget, fixed=fixed), seg.sum(axis=1)
 
     def _fit_pruned(self, rows: RDD[Any], lo: int, hi: int, pruned: PrunedBytes, budget: int) -> int:
         """Return how many ranks of [lo, hi) fit the budget once pruned (the block's rows' figures on the driver)."""
@@ -222,7 +228,8 @@ class Loader:
 
         got = rows.flatMap(meta).collect()  # ~110 bytes a row; PrunedBytes keeps ~400
         keys, ranks, promises, sizes = (list(c) for c in zip(*got, strict=True)) if got else ([], [], [], [])
-        return first_over(pruned.block(lo, hi, keys=keys, ranks=ranks, promises=promises, sizes=sizes), budget)
+        cum, kept = pruned.block(lo, hi, keys=keys, ranks=ranks, promises=promises, sizes=sizes)
+        return fit_count(cum, kept, budget=budget, fixed=self.fixed)
 
     def _copy(self, rows: RDD[Any], limit: int) -> None:
         """Have each row partition COPY its rows ranked below `limit` (once, whatever the retries)."""
