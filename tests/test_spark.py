@@ -84,7 +84,7 @@ def rows_of(dsn: str, store_id: int) -> tuple[list[tuple[Any, ...]], tuple[Any, 
 
 OPTIONS = {
     "top-t, sampled": IngestOptions(top_t=700, max_matches=7, suffix_rule="lookup"),
-    "budget, two blocks": IngestOptions(budget=2_000_000, max_matches=30, tree_size=16, suffix_rule="lookup"),
+    "budget, two blocks": IngestOptions(budget=2_600_000, max_matches=30, tree_size=16, suffix_rule="lookup"),
     "single n": IngestOptions(top_t=300, selection="single", single_n=3, max_n=3, blob_format=1),
     "top-t, pruned": IngestOptions(top_t=700, max_matches=7, suffix_rule="prune"),
     "budget, pruned": IngestOptions(budget=800_000, max_matches=30, tree_size=16, suffix_rule="prune"),  # kept rows
