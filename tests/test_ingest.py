@@ -82,10 +82,11 @@ def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:
 
 def test_reingest_replaces_and_budget_limits_size(db_dsn: str, corpus: Path, gguf: str) -> None:
     first = ingest([str(corpus)], store="code", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(top_t=1000))
-    small = ingest([str(corpus)], store="code", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(budget=85_000))
+    small = ingest([str(corpus)], store="code", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(budget=80_000))
     assert small.store_id != first.store_id
     assert 0 < small.rows < first.rows
-    assert small.table_bytes + small.index_bytes <= 85_000  # the bytes `crest stores` reports, its hash index in
+    # the bytes `crest stores` reports, hash index in; a heap of whole pages may pass the estimate by one page
+    assert small.table_bytes + small.index_bytes <= 80_000 + 8192
     assert small.top_t is not None and small.top_t < 1000
     with psycopg.connect(db_dsn) as conn:
         states = conn.execute("SELECT state, count(*) FROM crest_stores GROUP BY state").fetchall()
