@@ -8,6 +8,8 @@ are plain functions too, so property tests can make files inside a hypothesis ex
 from __future__ import annotations
 
 import json
+import shutil
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -167,3 +169,14 @@ def flatten(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
     return tokens, offsets
+
+
+STDLIB_SAMPLE = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "shlex.py", "json/decoder.py"]
+
+
+def copy_stdlib_sample(root: Path) -> str:
+    """Copy about 100 KB of Python's standard library into `root` (thousands of n-grams of each n); return it."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in STDLIB_SAMPLE:
+        shutil.copy(stdlib / name, root / name.replace("/", "_"))
+    return str(root)

@@ -7,8 +7,6 @@ steps. A `--budget` build must report (as `crest stores` does) no more bytes tha
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +16,7 @@ import pytest
 from crest.config import IngestOptions
 from crest.ingest.disk import PAGE, fit_count, hash_buckets, hash_index_bytes
 from crest.ingest.pipeline import ingest
-
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-SOURCES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "shlex.py", "json/decoder.py"]
+from tests.fix_corpus import copy_stdlib_sample
 
 # rows on both sides of the steps: 4 buckets split (1,636), 8 (3,272), 128 buckets (52,352), 256 (104,704)
 ROWS = [500, 1_600, 1_788, 3_311, 15_000, 43_728, 52_000, 53_000, 100_000, 104_000, 106_000, 202_162]
@@ -59,10 +55,7 @@ def test_fit_count_ends_at_the_first_step_over() -> None:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     """About 100 KB of Python's standard library."""
-    root = tmp_path_factory.mktemp("stdlib")
-    for name in SOURCES:
-        shutil.copy(STDLIB / name, root / name.replace("/", "_"))
-    return str(root)
+    return copy_stdlib_sample(tmp_path_factory.mktemp("stdlib"))
 
 
 @pytest.mark.parametrize(

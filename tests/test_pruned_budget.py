@@ -8,8 +8,6 @@ against the fixed top-t build of the T it reached (same rows, its reported bytes
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +19,9 @@ from crest.ingest.disk import estimate_row_bytes, fixed_bytes, store_bytes
 from crest.ingest.pipeline import ingest
 from crest.ingest.pruned_budget import PrunedBytes
 from crest.ingest.suffixes import kept_by_prune, prune_mask
+from tests.fix_corpus import copy_stdlib_sample
 
 WIDTH = 2  # bytes a token in the synthetic keys
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 BUDGET = 700_000  # bytes on disk: ends in the second rank block when pruned, the first when not
 Row = tuple[bytes, int, bytes]  # key, count, tree
 REPORTED: dict[str, int] = {}  # the bytes each store built here reports (table and index)
@@ -85,16 +83,10 @@ def test_kept_bytes_at_every_rank_equal_pruning_restated(seed: int, blocks: list
     assert 0 < pruned.spent < unpruned, "the synthetic rows must lose some rows to pruning"
 
 
-SOURCES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "shlex.py", "json/decoder.py"]
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     """About 100 KB of Python's standard library: thousands of n-grams of each n, of varied promise."""
-    root = tmp_path_factory.mktemp("stdlib")
-    for name in SOURCES:
-        shutil.copy(STDLIB / name, root / name.replace("/", "_"))
-    return str(root)
+    return copy_stdlib_sample(tmp_path_factory.mktemp("stdlib"))
 
 
 def _build(dsn: str, corpus: str, tokenizer: Path, store: str, **options: object) -> tuple[int | None, list[Row]]:
