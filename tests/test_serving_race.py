@@ -62,7 +62,7 @@ CREATE TRIGGER race_note AFTER UPDATE OF state ON crest_stores FOR EACH ROW
     WHEN (NEW.state = 'published' AND OLD.state <> 'published') EXECUTE FUNCTION race_note();
 """
 
-# the published versions now, in one statement (one snapshot): what each holds against what it says it holds
+# the published versions now, in one repeatable-read snapshot: what each holds against what it says it holds
 PUBLISHED = """
 SELECT s.id, s.tier, (s.params ->> 'through_id')::bigint,
     (SELECT coalesce(sum(value::bigint), 0) FROM jsonb_each_text(s.figures -> 'kept')),
@@ -128,7 +128,8 @@ def newest_learned(dsn: str) -> int:
 
 def live_through(dsn: str) -> int:
     """Return the newest learned row the published live version was built through, after checking it is whole."""
-    with psycopg.connect(dsn) as conn:
+    with psycopg.connect(dsn) as conn:  # one snapshot: READ COMMITTED plans over older partitions than it reads
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         published = conn.execute(PUBLISHED).fetchall()
         static_vocab = static_vocab_rows(conn)
     assert sorted(tier for _, tier, *_ in published) in (["static"], ["live", "static"]), published

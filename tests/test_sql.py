@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from crest.db.queries import read_query, run_query
 from crest.learning import append_learned
 from tests.fix_store import ROWS, publish
 
@@ -138,3 +141,30 @@ def test_part_acceptance_has_a_row_per_part_new_parts_included(served: str) -> N
     for part in ("static", "live", "prompt"):  # the two queries agree on the parts both know
         assert by_part[part]["part_tokens"] == old[f"accepted_{part}"]
         assert by_part[part]["per_step"] == old[f"{part}_per_step"] and by_part[part]["share"] == old[f"{part}_share"]
+
+
+def test_queries_see_each_published_version_whole_while_versions_are_published(demo: str) -> None:
+    """`crest db query` reads one snapshot: a version published mid-query is in all of its result or none of it.
+
+    READ COMMITTED plans a statement over the partitions attached when each partitioned table is first locked and
+    runs it on a later snapshot: a version published in between counted no rows (seen in a race test).
+    """
+    query, stop, published = read_query("coverage"), threading.Event(), [0]
+
+    def publish_versions() -> None:
+        while not stop.is_set():
+            publish(demo, "demo", ROWS)
+            published[0] += 1
+
+    writer = threading.Thread(target=publish_versions, daemon=True)
+    writer.start()
+    seen, deadline = [], time.monotonic() + 120
+    try:
+        while published[0] < 20 and time.monotonic() < deadline and writer.is_alive():
+            columns, rows = run_query(demo, query)
+            seen.append(sorted(row[columns.index("kept")] for row in rows))
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+    assert published[0] >= 20 and len(seen) > 20, (published, len(seen))
+    assert all(kept == [1, 1, 2] for kept in seen), [kept for kept in seen if kept != [1, 1, 2]][:5]

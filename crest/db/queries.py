@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from crest.db.versions import session
 from crest.errors import ConfigError
 
@@ -56,11 +58,14 @@ def read_query(name_or_path: str) -> Query:
 
 
 def run_query(dsn: str, query: Query) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """Run a query in a read-only transaction; return its column names and rows."""
+    """Run a query in a read-only, repeatable-read transaction; return its column names and rows."""
     if query.psql_only:
         raise ConfigError(f"{query.name}.sql is a psql script (variables, meta-commands): run it with psql -f")
     with session(dsn) as conn:
         conn.read_only = True
+        # one snapshot for planning and running: under READ COMMITTED a version published between the two is
+        # seen published while the plan holds none of its partitions (its rows count as none)
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         cur = conn.execute(query.text)
         columns = [c.name for c in cur.description or []]
         rows = cur.fetchall() if cur.description else []
