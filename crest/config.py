@@ -189,6 +189,15 @@ class VllmSettings:
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
+def check_text(text: str, *, name: str) -> str:
+    """Return `text` unless it holds bytes that are not UTF-8 (a command-line argument keeps them as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name} is not valid UTF-8 text") from None
+    return text
+
+
 def parse_flag(text: str, *, name: str) -> bool:
     """Parse an on/off setting (1/0, true/false, yes/no, on/off); ConfigError names the setting otherwise."""
     value = _FLAGS.get(text.strip().lower())

@@ -27,6 +27,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_DATABASE = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
 
 
 class CrestError(CrestClientError):
@@ -101,6 +102,7 @@ __all__ = [
     "EXIT_DATABASE",
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
     "EXIT_OK",
     "EXIT_USAGE",
     "CodecError",

@@ -5,6 +5,7 @@ script) and returns its exit code and output, `run_cli` runs `python -m crest.cl
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -39,3 +40,10 @@ def run_cli(*args: str, dsn: str, home: Path | None = None) -> subprocess.Comple
     return subprocess.run(
         [sys.executable, "-m", "crest.cli", *args], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+class Terminal(io.StringIO):
+    """Standard input that says it is a terminal (what a user types is its text)."""
+
+    def isatty(self) -> bool:
+        return True

@@ -26,9 +26,9 @@ from typer.testing import CliRunner
 
 from crest.cli.app import app
 from crest.config import IngestOptions
-from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
+from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE
 from crest.ingest.pipeline import ingest
-from tests.fix_cli import one_error_line, run
+from tests.fix_cli import Terminal, one_error_line, run
 from tests.fix_store import OLD_TEXT, ROWS, publish, snapshot, visible_state, write_corpus
 
 pytest_plugins = ["tests.fix_corpus"]
@@ -206,13 +206,6 @@ def test_lookup_says_which_suffix_matched_and_takes_the_rule(
     assert code == EXIT_USAGE and "unknown suffix rule 'shortest'" in one_error_line(err)
 
 
-class _Terminal(io.StringIO):
-    """Standard input that says it is a terminal (what a user types is its text)."""
-
-    def isatty(self) -> bool:
-        return True
-
-
 def test_drop_asks_first_and_refuses_without_a_terminal(
     db_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,13 +215,13 @@ def test_drop_asks_first_and_refuses_without_a_terminal(
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # a pipe: no one to ask
     code, out, err = run(monkeypatch, capsys, "drop", "demo")
     assert code == EXIT_USAGE and out == "" and "add --yes" in one_error_line(err)
-    monkeypatch.setattr("sys.stdin", _Terminal("n\n"))
+    monkeypatch.setattr("sys.stdin", Terminal("n\n"))
     code, out, err = run(monkeypatch, capsys, "drop", "demo")
     assert code == EXIT_FAILURE and f"Drop store 'demo' (static version {sid}) and its 0 learned rows?" in out
     assert "aborted" in err
     names = {r["name"] for r in json.loads(run(monkeypatch, capsys, "stores", "--json")[1])}
     assert names == {"demo", "other"}
-    monkeypatch.setattr("sys.stdin", _Terminal("y\n"))
+    monkeypatch.setattr("sys.stdin", Terminal("y\n"))
     asked = f"Drop store 'demo' (static version {sid}) and its 0 learned rows? [y/N]: "
     assert run(monkeypatch, capsys, "drop", "demo")[:2] == (0, f"{asked}dropped store 'demo' (version {sid})\n")
     assert run(monkeypatch, capsys, "drop", "other", "--yes")[0] == 0
@@ -348,6 +341,16 @@ def test_db_queries_run_every_shipped_query(
     assert code == 0 and "Store names" in out and "demo" in out
     code, _, err = run(monkeypatch, capsys, "db", "query", "nope", "--dsn", db_dsn)
     assert code == EXIT_USAGE and "no query 'nope'" in one_error_line(err)
+    for text, why in [
+        ("-- Escapes.\nSELECT 1 AS one; COMMIT; CREATE TABLE escaped (a int)\n", "more than one statement"),
+        ("-- Two.\nSELECT 1; SELECT 2\n", "more than one statement"),
+        ("-- Nothing.\n", "holds no statement"),
+    ]:
+        own.write_text(text)
+        code, out, err = run(monkeypatch, capsys, "db", "query", str(own), "--dsn", db_dsn)
+        assert (code, out) == (EXIT_USAGE, "") and why in one_error_line(err), (text, err)
+    with psycopg.connect(db_dsn) as conn:  # read-only held: the statement after COMMIT never ran
+        assert conn.execute("SELECT to_regclass('escaped')").fetchone() == (None,)
 
 
 def test_a_reader_that_goes_away_is_exit_0(db_dsn: str, tmp_path: Path) -> None:
@@ -370,10 +373,25 @@ def test_server_stop_says_nothing_on_stderr_without_xdg_runtime_dir(tmp_path: Pa
     assert (done.returncode, done.stdout, done.stderr) == (0, "not running\n", "")
 
 
-@pytest.mark.slow  # a `crest ingest` subprocess per stage, about 10 s each
-@pytest.mark.parametrize("stage", ["count", "load"], ids=["before-build", "during-load"])
-def test_ctrl_c_during_ingest_says_interrupted_exits_130_and_keeps_the_previous_version(
-    db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+@pytest.mark.slow  # a `crest ingest` subprocess per case, about 10 s each
+@pytest.mark.parametrize(
+    ("stage", "sig", "said", "code"),
+    [
+        ("count", signal.SIGINT, "interrupted", EXIT_INTERRUPTED),
+        ("load", signal.SIGINT, "interrupted", EXIT_INTERRUPTED),
+        ("load", signal.SIGTERM, "terminated", EXIT_TERMINATED),  # docker stop, systemd: cleaned up as Ctrl-C
+    ],
+    ids=["ctrl-c-before-build", "ctrl-c-during-load", "sigterm-during-load"],
+)
+def test_a_stopped_ingest_says_why_exits_its_code_and_keeps_the_previous_version(
+    db_dsn: str,
+    word_tokenizer_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stage: str,
+    sig: signal.Signals,
+    said: str,
+    code: int,
 ) -> None:
     home = tmp_path / "home"
     monkeypatch.setenv("CREST_HOME", str(home))
@@ -399,14 +417,14 @@ def test_ctrl_c_during_ingest_says_interrupted_exits_130_and_keeps_the_previous_
     watchdog.start()
     try:
         assert proc.stderr is not None
-        said = ""
-        while not said.startswith("crest-fault-pause"):
-            said = proc.stderr.readline()
-            assert said, "the ingest ended before the stage"
-        assert said == f"crest-fault-pause {stage}\n"
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        assert proc.wait(120) == EXIT_INTERRUPTED
-        assert one_error_line(proc.stderr.read()) == "Error: interrupted"
+        line = ""
+        while not line.startswith("crest-fault-pause"):
+            line = proc.stderr.readline()
+            assert line, "the ingest ended before the stage"
+        assert line == f"crest-fault-pause {stage}\n"
+        proc.send_signal(sig)  # SIGINT: what Ctrl-C sends
+        assert proc.wait(120) == code
+        assert one_error_line(proc.stderr.read()) == f"Error: {said}"
     finally:
         watchdog.cancel()
         proc.kill()

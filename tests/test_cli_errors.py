@@ -185,3 +185,55 @@ def test_huge_single_document_is_streamed(
     assert figures is not None
     per_line = len(load_tokenizer(word_tokenizer_dir).encode(line))
     assert figures[0]["documents"] == 1 and figures[0]["tokens"] == per_line * (2_000_000 // len(line))
+
+
+# (id, arguments after a store `s` of the word tokenizer exists, pattern of the one stderr line): other commands
+COMMAND_CASES: list[tuple[str, list[str], str]] = [
+    ("lookup-text-not-utf8", ["lookup", "--store", "s", "cat \udcff\udcfe"], r"TEXT is not valid UTF-8"),
+    ("lookup-max-nodes-zero", ["lookup", "--store", "s", "--max-nodes", "0", "cat"], r"--max-nodes must be at least"),
+    # generate gets a --model that names nothing: each check is made before the model would load
+    ("generate-prompt-not-utf8", ["generate", "\udcffcat", "--drafter", "prompt"], r"PROMPT is not valid UTF-8"),
+    ("generate-temperature", ["generate", "cat", "--temperature", "-1"], r"temperature must be >= 0"),
+    ("generate-top-p", ["generate", "cat", "--top-p", "0"], r"top_p must be in"),
+    ("generate-draft-tokens", ["generate", "cat", "--max-draft-tokens", "-1"], r"max_draft_tokens must be >= 0"),
+    ("generate-no-prompts", ["generate", "--prompts", "{empty}", "--drafter", "prompt"], r"no prompts in"),
+    ("learn-nothing", ["learn", "--store", "s", "{empty}"], r"nothing to learn"),
+    ("learn-no-tokens", ["learn", "--store", "s", "{no_tokens}"], r"nothing to learn"),
+    ("forget-before-year-1", ["forget", "--store", "s", "--yes", "--before", "0001-01-01"], r"out of range"),
+    ("forget-without-terminal", ["forget", "--store", "s"], r"asks for confirmation and stdin is not a terminal"),
+    ("drop-name", ["drop", "a;b", "--yes"], r"not a plain identifier"),
+    ("weight-superscript", ["ingest", "{corpus}", "--store", "w", "--weight", "{corpus}=\u00b2"], r"K must be a"),
+    ("weight-arabic-indic", ["ingest", "{corpus}", "--store", "w", "--weight", "{corpus}=\u0661"], r"K must be a"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "pattern"), [c[1:] for c in COMMAND_CASES], ids=[c[0] for c in COMMAND_CASES])
+def test_bad_command_input(
+    db_dsn: str,
+    tmp_path: Path,
+    word_tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    pattern: str,
+) -> None:
+    corpus = HELLO(tmp_path)
+    made = ["ingest", str(corpus), "--store", "s", "--tokenizer", str(word_tokenizer_dir), "--quiet", "--top-t", "9"]
+    assert _run(monkeypatch, capsys, db_dsn, *made)[0] == 0
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "none.jsonl").write_text('{"tokens": []}\n')
+    paths = {"{corpus}": str(corpus), "{empty}": str(tmp_path / "empty.jsonl")}
+    paths["{no_tokens}"] = str(tmp_path / "none.jsonl")
+    args = [paths.get(a, a).replace("{corpus}", str(corpus)) for a in args]
+    if args[0] == "ingest":
+        args += ["--tokenizer", str(word_tokenizer_dir), "--quiet", "--top-t", "9"]
+    if args[0] == "generate":
+        args += ["--model", str(tmp_path / "no-model")]
+    with psycopg.connect(db_dsn) as conn:
+        before = conn.execute("SELECT count(*) FROM crest_learned").fetchone()
+    code, err = _run(monkeypatch, capsys, db_dsn, *args)
+    assert code == 2, err
+    _assert_one_clear_line(code, err, pattern)
+    with psycopg.connect(db_dsn) as conn:  # nothing learned, nothing dropped or added
+        assert conn.execute("SELECT count(*) FROM crest_learned").fetchone() == before
+        assert conn.execute("SELECT name, state FROM crest_stores").fetchall() == [("s", "published")]

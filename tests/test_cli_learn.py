@@ -6,7 +6,6 @@ with exit 2 and appends nothing; refresh prints the live version or "nothing new
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import EXIT_FAILURE, EXIT_USAGE
-from tests.fix_cli import one_error_line, run
+from tests.fix_cli import Terminal, one_error_line, run
 from tests.fix_corpus import write_jsonl
 from tests.fix_learning import OPTIONS, STATIC_TEXT
 
@@ -150,7 +149,7 @@ def test_refresh_then_nothing_new_then_forget(
     code, out, _ = run(monkeypatch, capsys, "stores", "--json")
     assert {(r["tier"], r["learned_rows"]) for r in json.loads(out)} == {("static", 2), ("live", 2)}
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
+    monkeypatch.setattr("sys.stdin", Terminal("n\n"))
     code, _, err = run(monkeypatch, capsys, "forget", "--store", "words")
     assert code == EXIT_FAILURE and "aborted" in err
     assert len(learned(words)) == 2

@@ -161,11 +161,12 @@ def test_sharegpt_with_bom_and_messages_records(tmp_path: Path) -> None:
 
 
 def test_records_without_text_are_dropped_with_reasons(tmp_path: Path) -> None:
-    records = [{"text": "ok"}, {"prompt": "no"}, [1, 2], {"messages": [{"role": "x"}]}, "plain string"]
+    records = [{"text": "ok"}, {"prompt": "no"}, [1, 2], {"messages": [{"role": "x"}]}, "plain string", {"text": 5}]
     path = write_jsonl(tmp_path / "d.jsonl", records)
     docs, rep = read_all(str(path))
     assert docs == ["ok", "plain string"]
-    assert rep.dropped_records == 3
+    assert rep.dropped_records == 4
+    assert any("line 6" in r and "'text' is not a string (a int)" in r for r in rep.drop_reasons)
     assert any("line 2" in r and "no 'text'" in r for r in rep.drop_reasons)
     assert any("line 3" in r and "neither a JSON object nor a string" in r for r in rep.drop_reasons)
     assert any("line 4 turn 1" in r for r in rep.drop_reasons)

@@ -2,7 +2,8 @@
 
 `main` is the only place that turns failures into exit codes: 0 success, 1 a failure that is neither bad
 input nor the database, 2 usage or bad input (click's own usage message for unknown options, missing
-arguments and unknown commands), 3 the database, 130 interrupted. Every failure the user can cause ends
+arguments and unknown commands), 3 the database, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: docker stop,
+systemd; a command cleans up as on Ctrl-C). Every failure the user can cause ends
 with a one-line message on stderr, never a traceback (set CREST_DEBUG=1 to see one).
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Annotated, Any, NoReturn
 
@@ -26,7 +29,25 @@ from crest.cli.generate import generate
 from crest.cli.learn_commands import forget, learn, refresh
 from crest.cli.serve import serve
 from crest.cli.store_commands import drop, ingest, lookup, stores
-from crest.errors import EXIT_DATABASE, EXIT_FAILURE, EXIT_INTERRUPTED, CrestClientError, exit_code
+from crest.errors import (
+    EXIT_DATABASE,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    CrestClientError,
+    exit_code,
+)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: whatever cleans up after Ctrl-C does after it too."""
+
+    received = False  # typer turns either into Exit(130): this tells them apart afterwards
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    Terminated.received = True
+    raise Terminated
 
 
 class _Commands(TyperGroup):
@@ -48,7 +69,7 @@ app = typer.Typer(
     rich_markup_mode=None,
     cls=_Commands,
     help="Compact, database-backed drafting stores for speculative decoding.",
-    epilog="Exit codes: 0 ok, 1 failure, 2 usage or bad input, 3 database, 130 interrupted.",
+    epilog="Exit codes: 0 ok, 1 failure, 2 usage or bad input, 3 database, 130 interrupted, 143 terminated.",
 )
 for command in (ingest, lookup, stores, drop, learn, refresh, forget, generate, answer, serve, drafters):
     app.command()(command)
@@ -83,23 +104,38 @@ def _root(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the CLI and exit with its code; crest's errors become one line on stderr, Ctrl-C exit 130."""
+    """Run the CLI and exit with its code; crest's errors become one line on stderr, Ctrl-C exit 130, SIGTERM 143."""
     logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL + 1)  # its retry lines; the error says why
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # `crest serve` sets its own
+    Terminated.received = False
     try:
         code = app(args=None if argv is None else list(argv), prog_name="crest", standalone_mode=False)
-    except KeyboardInterrupt:
-        _fail("interrupted", EXIT_INTERRUPTED)
+    except KeyboardInterrupt as exc:
+        _fail_interrupted(exc)
     except typer.Abort as exc:  # click turns Ctrl-C (KeyboardInterrupt) and end of input (EOFError) into Abort
-        interrupted = isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt)
-        _fail("interrupted" if interrupted else "aborted", EXIT_INTERRUPTED if interrupted else EXIT_FAILURE)
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, KeyboardInterrupt):
+            _fail_interrupted(cause)
+        _fail("aborted", EXIT_FAILURE)
     except CrestClientError as exc:
         _fail(str(exc), exit_code(exc))
     except Exception as exc:
         _fail_unexpected(exc)
-    # typer returns the code of an Exit in this mode; Ctrl-C inside a command is Exit(130)
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+    # typer returns the code of an Exit in this mode; Ctrl-C or SIGTERM inside a command is Exit(130)
     if code == EXIT_INTERRUPTED:
-        _fail("interrupted", EXIT_INTERRUPTED)
+        _fail_interrupted(Terminated() if Terminated.received else KeyboardInterrupt())
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail_interrupted(exc: KeyboardInterrupt) -> NoReturn:
+    """Say how the command was stopped: Ctrl-C (130) or SIGTERM (143)."""
+    if isinstance(exc, Terminated):
+        _fail("terminated", EXIT_TERMINATED)
+    _fail("interrupted", EXIT_INTERRUPTED)
 
 
 def _fail_unexpected(exc: Exception) -> NoReturn:

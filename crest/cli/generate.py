@@ -98,8 +98,10 @@ def run_generate(
 ) -> None:
     """Generate for one prompt or a file of prompts, printing text or JSON lines (each flushed)."""
     from crest.bench.prompts import read_prompts
-    from crest.decoding.generator import SpeculativeGenerator
+    from crest.config import check_text
+    from crest.decoding.generator import SpeculativeGenerator, check_draft_tokens
     from crest.decoding.models import load_model
+    from crest.decoding.sampling import check_sampling
     from crest.decoding.tokenizer import Tokenizer
     from crest.drafters.registry import check_drafter, close_drafter, kind_of, open_drafter
     from crest.drafters.store import check_store
@@ -109,8 +111,12 @@ def run_generate(
         raise ConfigError("give a PROMPT or --prompts FILE (one of them)")
     if max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens must be positive")
-    name = check_drafter(drafter, where="generate", store=store, rest_index=rest_index)  # before the model loads
-    texts = [prompt] if prompt is not None else list(read_prompts(str(prompts_file)))
+    check_sampling(temperature=temperature, top_p=top_p, top_k=top_k)  # all before the model loads
+    check_draft_tokens(max_draft_tokens)
+    name = check_drafter(drafter, where="generate", store=store, rest_index=rest_index)
+    texts = [check_text(prompt, name="PROMPT")] if prompt is not None else list(read_prompts(str(prompts_file)))
+    if not texts:
+        raise ConfigError(f"no prompts in {prompts_file}")
     if "store" in kind_of(name).needs:
         _migrate_if_reachable(dsn)
         check_store(str(store), dsn=read_dsn or dsn)  # a missing store is said before the model loads

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import datetime
 from typing import Annotated
 
@@ -133,9 +134,17 @@ def forget(
             raise ConfigError(
                 f"--before {before!r} is not an ISO 8601 time such as 2026-01-31T12:00:00+00:00"
             ) from None
+        try:
+            when = when if when.tzinfo is not None else when.astimezone()  # a time without an offset is local
+        except (ValueError, OverflowError):
+            raise ConfigError(f"--before {before!r} is out of range as a local time: give an offset") from None
     url = database(dsn)
     what = f"rows learned before {when.isoformat()}" if when else "everything it learned"
     if not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(
+                f"crest forget --store {store} asks for confirmation and stdin is not a terminal: add --yes"
+            )
         typer.confirm(f"Forget {what} for store {store!r} and drop its live versions?", abort=True)
     done = run_forget(url, store, before=when)
     versions = ", ".join(str(v) for v in done.versions) or "none"

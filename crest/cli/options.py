@@ -76,7 +76,7 @@ Json = Annotated[
         "--json",
         envvar="CREST_JSON",
         show_envvar=True,
-        help="Print JSON (one object per line where there are several).",
+        help="Print JSON: one object per line where there are several (`crest stores`: one array).",
     ),
 ]
 Out = Annotated[

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Dsn, Format, Inputs, Json, Keep, StoreName, SuffixJudge, SuffixRule, Tokenizer
-from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_SUFFIX_RULE, DEFAULT_TOP_T
+from crest.config import DEFAULT_DENSE_PRECISION, DEFAULT_SUFFIX_RULE, DEFAULT_TOP_T, check_store_name, check_text
 
 
 def database(dsn: str | None) -> str:
@@ -243,7 +243,11 @@ def lookup(
         rule = resolve_rule(rule)
     except CrestClientError as exc:
         raise ConfigError(f"--rule: {exc}") from None
-    found = lookup_text(database(dsn), store, text, tokenizer=tokenizer, max_nodes=max_nodes, rule=rule)
+    if max_nodes < 1:
+        raise ConfigError(f"--max-nodes must be at least 1, got {max_nodes}")
+    found = lookup_text(
+        database(dsn), store, check_text(text, name="TEXT"), tokenizer=tokenizer, max_nodes=max_nodes, rule=rule
+    )
     print_draft(found, as_json=as_json)
 
 
@@ -284,6 +288,7 @@ def drop(
     from crest.errors import ConfigError, StoreNotFound
 
     url = database(dsn)
+    check_store_name(name)
     with db.session(url) as conn:
         versions = [row for row in db.list_stores(conn) if row["name"] == name]
     if not any(row["tier"] == "static" for row in versions):

@@ -58,7 +58,7 @@ def read_query(name_or_path: str) -> Query:
 
 
 def run_query(dsn: str, query: Query) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """Run a query in a read-only, repeatable-read transaction; return its column names and rows."""
+    """Run a query (one statement) in a read-only, repeatable-read transaction; return its column names and rows."""
     if query.psql_only:
         raise ConfigError(f"{query.name}.sql is a psql script (variables, meta-commands): run it with psql -f")
     with session(dsn) as conn:
@@ -66,7 +66,14 @@ def run_query(dsn: str, query: Query) -> tuple[list[str], list[tuple[Any, ...]]]
         # one snapshot for planning and running: under READ COMMITTED a version published between the two is
         # seen published while the plan holds none of its partitions (its rows count as none)
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        cur = conn.execute(query.text)
+        try:  # prepared: the extended protocol runs one statement (a `COMMIT; ...` would leave read-only behind)
+            cur = conn.execute(query.text, prepare=True)
+        except psycopg.errors.SyntaxError as exc:
+            if "multiple commands" not in str(exc):
+                raise
+            raise ConfigError(f"{query.name} holds more than one statement: a query is one statement") from None
+        if cur.pgresult is not None and cur.pgresult.status == psycopg.pq.ExecStatus.EMPTY_QUERY:
+            raise ConfigError(f"{query.name} holds no statement")
         columns = [c.name for c in cur.description or []]
         rows = cur.fetchall() if cur.description else []
         conn.rollback()

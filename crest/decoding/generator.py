@@ -105,6 +105,12 @@ class DecodeState:
         return self.stop_reason is not None
 
 
+def check_draft_tokens(max_draft_tokens: int | None) -> None:
+    """Raise ConfigError unless the draft size is None (adaptive) or at least 0."""
+    if max_draft_tokens is not None and max_draft_tokens < 0:
+        raise ConfigError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+
+
 class SpeculativeGenerator:
     """Generates with a drafter and a Hugging Face causal LM, one target forward per step."""
 
@@ -124,8 +130,7 @@ class SpeculativeGenerator:
         `on_progress` receives one line when that calibration has to measure (nothing is printed otherwise).
         """
         check_supported(model)
-        if max_draft_tokens is not None and max_draft_tokens < 0:
-            raise ConfigError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+        check_draft_tokens(max_draft_tokens)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_draft_tokens = max_draft_tokens

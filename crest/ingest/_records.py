@@ -58,7 +58,10 @@ def turn_texts(record: Any, path: Path, where: str, rep: CorpusReport) -> Iterat
             else:
                 rep.drop(f"{path.name} {where} turn {number}: no string {text_key!r}")
         return
-    rep.drop(f"{path.name} {where}: no 'text', 'conversations' or 'messages'")
+    if "text" in record:
+        rep.drop(f"{path.name} {where}: 'text' is not a string (a {type(text).__name__})")
+    else:
+        rep.drop(f"{path.name} {where}: no 'text', 'conversations' or 'messages'")
 
 
 def array_texts(path: Path, rep: CorpusReport, sizes: Sizes) -> Iterator[str]:

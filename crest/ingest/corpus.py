@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def weigh_inputs(inputs: Sequence[str], weights: Sequence[str]) -> list[str]:
             raise CorpusError(f"--weight {spec!r}: write INPUT=K, INPUT as given among the inputs")
         if name not in inputs:
             raise CorpusError(f"--weight {spec!r}: {name!r} is not one of the inputs (give it exactly as listed)")
-        if not value.strip().isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
+        if not re.fullmatch(r"[0-9]+", value.strip()) or not 1 <= int(value) <= MAX_WEIGHT:  # not '²' or '١'
             raise CorpusError(f"--weight {spec!r}: K must be a whole number from 1 to {MAX_WEIGHT}")
         times[name] = int(value)
     return [spec for spec in inputs for _ in range(times.get(spec, 1))]

@@ -110,5 +110,7 @@ def learn_files(dsn: str, store: str, paths: Sequence[str | Path], *, source: st
     """Read transcripts from files with the store's tokenizer and append them to its learned log, all or none."""
     tok = store_tokenizer(dsn, store)
     found = read_transcripts(paths, tok)
+    if found.tokens == 0:  # as an ingest of an empty corpus: nothing written, and said
+        raise CorpusError(f"nothing to learn: no token in {', '.join(map(str, paths))}")
     append_learned(dsn, store, found.token_lists, prompt_tokens=found.prompt_tokens, source=source)
     return found
