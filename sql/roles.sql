@@ -22,6 +22,14 @@ BEGIN
     RAISE EXCEPTION 'the reader and writer roles must differ';
   END IF;
   FOR item IN SELECT unnest(ARRAY[reader, writer]) AS name LOOP
+    IF lower(item.name) = 'public' OR lower(item.name) LIKE 'pg\_%' THEN
+      RAISE EXCEPTION 'role name % is reserved by PostgreSQL', item.name;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = item.name AND (rolsuper OR rolcreatedb OR rolcreaterole
+               OR rolreplication OR rolbypassrls OR rolname = current_user)) THEN
+      RAISE EXCEPTION 'role % exists with rights crest''s roles do not hold (or is the role connected now): name another role',
+        item.name;
+    END IF;
     EXECUTE format(
       CASE WHEN EXISTS (SELECT 1 FROM pg_roles WHERE rolname = item.name) THEN 'ALTER' ELSE 'CREATE' END
       || ' ROLE %I WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT', item.name);

@@ -175,12 +175,37 @@ def test_roles_sql_file_with_psql(roles: Roles, corpus: Path, word_tokenizer_dir
 
 @pytest.mark.parametrize(
     ("reader", "writer", "message"),
-    [("bad;name", "crest_w", "not a plain identifier"), ("same", "same", "must differ")],
-    ids=["unquoted-name", "same-role"],
+    [
+        ("bad;name", "crest_w", "not a plain identifier"),
+        ("same", "same", "must differ"),
+        ("PUBLIC", "crest_w", "reserved by PostgreSQL"),
+        ("pg_monitor", "crest_w", "reserved by PostgreSQL"),
+        ("crest_r", "admin2", "'admin2' exists and holds SUPERUSER, CREATEDB, CREATEROLE"),
+        ("crest_r", "maker", "'maker' exists and holds CREATEDB"),
+        ("{me}", "crest_w", "is the role connected now"),
+    ],
+    ids=["unquoted-name", "same-role", "public", "pg-role", "superuser", "createdb", "connected-role"],
 )
 def test_bad_role_names_are_refused(db_dsn: str, reader: str, writer: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        create_roles(db_dsn, reader=reader, writer=writer)
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        me = conn.execute("SELECT current_user").fetchone()
+        for role, rights in (("admin2", "SUPERUSER CREATEDB CREATEROLE LOGIN"), ("maker", "CREATEDB LOGIN")):
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("CREATE ROLE {} " + rights).format(sql.Identifier(role)))
+    assert me is not None
+    try:
+        with pytest.raises(ConfigError, match=message):
+            create_roles(db_dsn, reader=me[0] if reader == "{me}" else reader, writer=writer)
+        with psycopg.connect(db_dsn) as conn:  # nothing taken away, nothing made
+            held = conn.execute(
+                "SELECT rolname, rolsuper, rolcreatedb FROM pg_roles WHERE rolname IN ('admin2', 'maker', 'crest_r')"
+                " ORDER BY rolname"
+            ).fetchall()
+        assert held == [("admin2", True, True), ("maker", False, True)]
+    finally:
+        with psycopg.connect(db_dsn, autocommit=True) as conn:
+            for role in ("admin2", "maker"):
+                conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
 def _column_rights(dsn: str, role: str) -> dict[str, set[str]]:

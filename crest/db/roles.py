@@ -47,12 +47,18 @@ class RolesReport:
     tables: list[str] = field(default_factory=list)
 
 
+_RIGHTS = ("SUPERUSER", "CREATEDB", "CREATEROLE", "REPLICATION", "BYPASSRLS")
+
+
 def check_role_name(name: str, label: str) -> str:
     """Return `name` when it is a plain identifier, else raise ConfigError."""
     try:
-        return check_store_name(name)
+        check_store_name(name)
     except Exception:
         raise ConfigError(f"{label} role name {name!r} is not a plain identifier") from None
+    if label != "schema" and (name.lower() == "public" or name.lower().startswith("pg_")):
+        raise ConfigError(f"{label} role name {name!r} is reserved by PostgreSQL")
+    return name
 
 
 def password_from_env(variable: str | None) -> str | None:
@@ -95,7 +101,17 @@ def create_roles(
 
 def _ensure_role(conn: psycopg.Connection[Any], role: str, password: str | None) -> bool:
     """Create `role` as a plain LOGIN role, or reset an existing one; return whether it was created."""
-    exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is not None
+    found = conn.execute(
+        "SELECT rolsuper, rolcreatedb, rolcreaterole, rolreplication, rolbypassrls, rolname = current_user"
+        " FROM pg_roles WHERE rolname = %s",
+        (role,),
+    ).fetchone()
+    if found is not None:  # resetting it would take those rights away from whoever uses it now
+        rights = [r for r, held in zip(_RIGHTS, found[:5], strict=True) if held]
+        if found[5] or rights:
+            held = "is the role connected now" if found[5] else f"holds {', '.join(rights)}"
+            raise ConfigError(f"role {role!r} exists and {held}: crest's roles hold no such right, name another role")
+    exists = found is not None
     verb = "ALTER" if exists else "CREATE"
     options: sql.Composable = sql.SQL("LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT")
     if password is not None:
