@@ -101,6 +101,8 @@ CASES: list[tuple[str, Make, list[str], str]] = [
     ("budget-too-small", _text("a.txt", "the cat sat on the mat\n" * 50), ["--budget", "10"], r"budget is too small"),
     ("top-t-and-budget", HELLO, ["--top-t", "5", "--budget", "1MB"], r"either --top-t or --budget"),
     ("chunk-tokens-zero", HELLO, ["--chunk-tokens", "0"], r"--chunk-tokens must be positive"),
+    ("dense-option-without-model", HELLO, ["--dense-dims", "8"], r"--dense-dims needs --dense-model"),
+    ("dense-options-without-model", HELLO, ["--dense-batch", "8", "--dense-index", "hnsw"], r"need --dense-model"),
 ]
 
 

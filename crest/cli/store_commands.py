@@ -25,6 +25,7 @@ def database(dsn: str | None) -> str:
 
 
 def ingest(
+    ctx: typer.Context,
     inputs: Inputs,
     store: StoreName,
     tokenizer: Tokenizer,
@@ -135,6 +136,7 @@ def ingest(
     """
     from crest.cli.display import RichReporter, print_summary
     from crest.config import IngestOptions, parse_size, resolve_dsn
+    from crest.errors import ConfigError
     from crest.ingest.corpus import weigh_inputs
     from crest.ingest.pipeline import ingest as run_ingest
     from crest.ingest.publishing import check_ingest, check_judge
@@ -157,6 +159,9 @@ def ingest(
     check_judge(options, judged=bool(suffix_judge), engine=engine)
     inputs = weigh_inputs(inputs, weight or [])
     dense = None
+    given = [f"--{name.replace('_', '-')}" for name in _DENSE_OPTIONS if _given(ctx, name)]
+    if dense_model is None and given:  # a value that would be ignored: the user meant a dense part
+        raise ConfigError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --dense-model")
     if dense_model is not None:
         from crest.ingest.dense import DenseOptions
 
@@ -204,6 +209,16 @@ def ingest(
             judge=suffix_judge or (),
         )
     print_summary(summary)
+
+
+_DENSE_OPTIONS = ("dense_dims", "dense_positions", "dense_continuation", "dense_index", "dense_precision")
+_DENSE_OPTIONS += ("dense_device", "dense_batch")
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Return whether option `name` was set on the command line or by its environment variable."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
 
 def lookup(
