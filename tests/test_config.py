@@ -12,11 +12,12 @@ def test_dsn_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CREST_DATABASE_URL", "postgresql://env/db")
     assert resolve_dsn("postgresql://option/db") == "postgresql://option/db"
     assert resolve_dsn(None) == "postgresql://env/db"
+    assert resolve_dsn(" ") == "postgresql://env/db"  # blank is not given: it would mean libpq's local defaults
 
 
 def test_dsn_falls_back_to_the_embedded_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CREST_DATABASE_URL", raising=False)
-    assert "host=" in resolve_dsn(None)  # a unix socket under CREST_HOME
+    monkeypatch.setenv("CREST_DATABASE_URL", "  ")
+    assert "host=" in resolve_dsn(None) and resolve_dsn(" ") == resolve_dsn(None)  # a unix socket under CREST_HOME
 
 
 @pytest.mark.parametrize(

@@ -32,10 +32,10 @@ def resolve_dsn(option: str | None = None) -> str:
 
     A given DSN that can only fail (see `crest_client.hosts.check_dsn`) raises InvalidDsn before any connection.
     """
-    if option:
+    if option and option.strip():  # blank as empty: a blank conninfo would mean libpq's local defaults
         return check_dsn(option)
     env = os.environ.get(ENV_DSN)
-    if env:
+    if env and env.strip():
         return check_dsn(env)
     from crest_client.embedded import crest_home, embedded_dsn
 
