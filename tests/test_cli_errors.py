@@ -88,6 +88,7 @@ CASES: list[tuple[str, Make, list[str], str]] = [
     ("unknown-format", HELLO, ["--format", "xml"], r"unknown format 'xml'"),
     ("tokenizer-missing", HELLO, ["--tokenizer", "/nonexistent/tok"], r"cannot load tokenizer"),
     ("tokenizer-malformed", HELLO, ["--tokenizer", "{bad_tokenizer}"], r"cannot load tokenizer"),
+    ("tokenizer-empty-dir", HELLO, ["--tokenizer", "{empty_dir}"], r"cannot load tokenizer .*holds no tokenizer"),
     ("store-name-not-identifier", HELLO, ["--store", "x; DROP TABLE crest_stores"], r"not a plain identifier"),
     ("store-name-quote", HELLO, ["--store", 'a"b'], r"not a plain identifier"),
     ("top-t-zero", HELLO, ["--top-t", "0"], r"--top-t must be a positive"),
@@ -146,6 +147,8 @@ def test_bad_ingest_input(
     target = make(tmp_path)
     if "{bad_tokenizer}" in extra:
         extra = [str(_bad_tokenizer_dir(tmp_path)) if e == "{bad_tokenizer}" else e for e in extra]
+    if "{empty_dir}" in extra:
+        extra = [str(_empty_dir(tmp_path)) if e == "{empty_dir}" else e for e in extra]
     args = ["ingest", str(target), "--store", "s", "--tokenizer", str(word_tokenizer_dir), "--quiet"]
     if "--top-t" not in extra and "--budget" not in extra:
         args += ["--top-t", "100"]

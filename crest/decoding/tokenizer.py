@@ -99,6 +99,8 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
                 hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
             elif path.is_file():
                 raise TokenizerError(f"cannot load tokenizer {spec!r}: a file, but neither .gguf nor tokenizer .json")
+            elif path.is_dir() and not any(path.glob("tokenizer*")) and not (path / "config.json").is_file():
+                raise TokenizerError(f"cannot load tokenizer {spec!r}: the directory holds no tokenizer files")
             elif path.exists():
                 hf = AutoTokenizer.from_pretrained(str(path))
             elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:
@@ -108,7 +110,7 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
         except TokenizerError:
             raise
         except Exception as exc:
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            reason = " ".join(str(exc).split())[:300] or type(exc).__name__  # the whole reason, on one line
             raise TokenizerError(f"cannot load tokenizer {spec!r}: {reason}") from None
     if hf is None or not getattr(hf, "is_fast", False):
         raise TokenizerError(f"tokenizer {spec!r} is not a fast (Rust) tokenizer")
