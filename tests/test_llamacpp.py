@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import time
@@ -131,10 +132,25 @@ def test_export_refusals_are_one_line(
         (["export", str(tmp_path / "no" / "x"), "-s", "exp"], 2, "no such directory"),
         (["export", out, "-s", "exp", "--gguf", str(tmp_path / "m.gguf")], 2, "no such .gguf file"),
     ]
+    os.mkfifo(tmp_path / "pipe.lookup")  # a rename over it would swap it for a file (a device: the same)
+    cases.append((["export", str(tmp_path / "pipe.lookup"), "-s", "exp"], 2, "is not a regular file"))
     for args, want_code, message in cases:
         code, _, err = run(monkeypatch, capsys, *args, "--dsn", db_dsn)
         assert code == want_code and message in one_error_line(err), (args, err)
-    assert not (tmp_path / "x.lookup").exists()
+    assert not (tmp_path / "x.lookup").exists() and stat.S_ISFIFO((tmp_path / "pipe.lookup").stat().st_mode)
+
+
+def test_export_writes_through_a_link(
+    db_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _publish_rows(db_dsn)
+    (tmp_path / "real.lookup").write_bytes(b"old")
+    (tmp_path / "link.lookup").symlink_to(tmp_path / "real.lookup")
+    code, _, err = run(monkeypatch, capsys, "export", str(tmp_path / "link.lookup"), "-s", "exp", "--dsn", db_dsn)
+    assert code == 0, err
+    assert (tmp_path / "link.lookup").is_symlink()  # still the link, and its target holds the cache
+    assert (tmp_path / "real.lookup").read_bytes() != b"old" and (tmp_path / "real.lookup").stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.lookup", "real.lookup"]  # no temporary file left
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from crest._outputs import output_file
 from crest.errors import ConfigError
 
 
@@ -90,6 +91,7 @@ def write_answers(
         raise ConfigError(f"no prompt of 1 to {max_prompt_tokens} tokens to respond to")
     started, written, new = time.perf_counter(), 0, 0
     partial = check_out(out)
+    out = output_file(out, option="--out")
     with open(partial, "w", encoding="utf-8") as sink:
         for done in responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch):
             for i, response in done:
@@ -111,8 +113,7 @@ def check_out(out: Path) -> Path:
 
     Nothing is left behind: a partial file made to try the directory is removed again.
     """
-    if out.is_dir() or not out.name:
-        raise ConfigError(f"--out {str(out)!r} is a directory: give a file name")
+    out = output_file(out, option="--out")  # written through a link, never over a device
     partial = out.with_name(out.name + ".partial")
     if partial.is_dir():
         raise ConfigError(f"{str(partial)!r} is a directory: give --out another file name")

@@ -27,6 +27,7 @@ from crest_client.batch_codec import decode_trees
 from crest_client.errors import FingerprintMismatch, StoreNotFound
 from crest_client.info import StoreInfo, read_info
 
+from crest._outputs import output_file
 from crest.db import ngram_table, session
 from crest.errors import ConfigError
 
@@ -136,9 +137,7 @@ def export_llama_lookup(
     dsn: str, store: str, out: str | Path, *, tiers: str = "static", gguf: str | Path | None = None
 ) -> LookupExport:
     """Write the store's n-grams (n <= 4) and their next-token counts as a llama.cpp lookup cache file."""
-    path = Path(out).expanduser()
-    if path.is_dir():
-        raise ConfigError(f"{str(out)!r} is a directory; give the cache file's path")
+    path = output_file(out, option="OUT")  # written through a link, never over a device
     if not path.parent.is_dir():
         raise ConfigError(f"{str(path.parent)!r}: no such directory")
     versions = store_versions(dsn, store, tiers=tiers)
