@@ -211,8 +211,10 @@ def ingest(
     print_summary(summary)
 
 
-_DENSE_OPTIONS = ("dense_dims", "dense_positions", "dense_continuation", "dense_index", "dense_precision")
-_DENSE_OPTIONS += ("dense_device", "dense_batch")
+_DENSE_OPTIONS = (
+    *("dense_dims", "dense_positions", "dense_continuation", "dense_index", "dense_precision"),
+    *("dense_device", "dense_batch"),
+)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
