@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -196,7 +197,7 @@ def test_huge_single_document_is_streamed(
 COMMAND_CASES: list[tuple[str, list[str], str]] = [
     ("lookup-text-not-utf8", ["lookup", "--store", "s", "cat \udcff\udcfe"], r"TEXT is not valid UTF-8"),
     ("lookup-max-nodes-zero", ["lookup", "--store", "s", "--max-nodes", "0", "cat"], r"--max-nodes must be at least"),
-    # generate gets a --model that names nothing: each check is made before the model would load
+    # generate and serve get a --model that names nothing: each check is made before the model would load
     ("generate-prompt-not-utf8", ["generate", "\udcffcat", "--drafter", "prompt"], r"PROMPT is not valid UTF-8"),
     ("generate-temperature", ["generate", "cat", "--temperature", "-1"], r"temperature must be >= 0"),
     ("generate-top-p", ["generate", "cat", "--top-p", "0"], r"top_p must be in"),
@@ -207,6 +208,8 @@ COMMAND_CASES: list[tuple[str, list[str], str]] = [
     ("forget-before-year-1", ["forget", "--store", "s", "--yes", "--before", "0001-01-01"], r"out of range"),
     ("forget-without-terminal", ["forget", "--store", "s"], r"asks for confirmation and stdin is not a terminal"),
     ("drop-name", ["drop", "a;b", "--yes"], r"not a plain identifier"),
+    ("serve-port-in-use", ["serve", "--port", "{busy}"], r"cannot listen on 127\.0\.0\.1:\d+"),
+    ("serve-refresh-nan", ["serve", "--refresh-interval", "nan"], r"--refresh-interval >= 0"),
     ("weight-superscript", ["ingest", "{corpus}", "--store", "w", "--weight", "{corpus}=\u00b2"], r"K must be a"),
     ("weight-arabic-indic", ["ingest", "{corpus}", "--store", "w", "--weight", "{corpus}=\u0661"], r"K must be a"),
 ]  # fmt: skip
@@ -229,14 +232,19 @@ def test_bad_command_input(
     (tmp_path / "none.jsonl").write_text('{"tokens": []}\n')
     paths = {"{corpus}": str(corpus), "{empty}": str(tmp_path / "empty.jsonl")}
     paths["{no_tokens}"] = str(tmp_path / "none.jsonl")
+    busy = socket.socket()  # listening, as another server on the port would be
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    paths["{busy}"] = str(busy.getsockname()[1])
     args = [paths.get(a, a).replace("{corpus}", str(corpus)) for a in args]
     if args[0] == "ingest":
         args += ["--tokenizer", str(word_tokenizer_dir), "--quiet", "--top-t", "9"]
-    if args[0] == "generate":
-        args += ["--model", str(tmp_path / "no-model")]
+    if args[0] in ("generate", "serve"):
+        args += ["--model", str(tmp_path / "no-model"), "--drafter", "prompt"]
     with psycopg.connect(db_dsn) as conn:
         before = conn.execute("SELECT count(*) FROM crest_learned").fetchone()
-    code, err = _run(monkeypatch, capsys, db_dsn, *args)
+    with busy:
+        code, err = _run(monkeypatch, capsys, db_dsn, *args)
     assert code == 2, err
     _assert_one_clear_line(code, err, pattern)
     with psycopg.connect(db_dsn) as conn:  # nothing learned, nothing dropped or added

@@ -10,6 +10,7 @@ The CLI only parses options into `ServeOptions` and calls `serve`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,7 +45,7 @@ class ServeOptions:
         if self.max_batch < 1 or self.max_queue < 0 or not 0 < self.port < 65536:
             raise ConfigError("--max-batch must be >= 1, --max-queue >= 0 and --port in 1..65535")
         learning = self.learning
-        if learning.window < 1 or learning.refresh_interval < 0 or learning.refresh_min_tokens < 0:
+        if learning.window < 1 or not 0 <= learning.refresh_interval < math.inf or learning.refresh_min_tokens < 0:
             raise ConfigError("--learn-window must be >= 1, --refresh-interval >= 0 and --refresh-min-tokens >= 0")
         if learning.dense_window < 0:
             raise ConfigError(f"--learn-dense-window must be >= 0, got {learning.dense_window}")
@@ -85,12 +86,28 @@ def build_app(options: ServeOptions, *, on_progress: Callable[[str], None] | Non
 
 def serve(options: ServeOptions, *, on_progress: Callable[[str], None] | None = None) -> None:
     """Build the app for `options` and serve it until SIGTERM (return) or Ctrl-C (KeyboardInterrupt), drained."""
+    check_listen(options.checked().host, options.port)  # before the model loads, not after
     app = build_app(options, on_progress=on_progress)
     if on_progress is not None:
         on_progress(
             f"serving {options.model} on http://{options.host}:{options.port}/v1 (max batch {options.max_batch})"
         )
     run_app(app, host=options.host, port=options.port)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise ConfigError unless `host:port` can be listened on now (bound as uvicorn binds it, then let go)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:  # socket.gaierror included: a host name that does not resolve
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def run_app(app: Any, *, host: str, port: int, log_level: str = "info") -> None:
