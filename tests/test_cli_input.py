@@ -51,15 +51,15 @@ def public_tables(dsn: str) -> list[str]:
         pytest.param("missing-input", r"does not exist", id="missing-input"),
         pytest.param("empty-corpus", r"no documents|no tokens", id="empty-corpus"),
         pytest.param("bad-tokenizer", r"cannot load tokenizer", id="bad-tokenizer"),
-        pytest.param(
-            "out-is-a-file",
-            r"out|exists|directory",
-            id="out-is-a-file",
-        ),
+        pytest.param("out-is-a-file", r"--out .* exists and is not a directory", id="out-is-a-file"),
+        pytest.param("out-empty", r"--out is empty", id="out-empty"),
+        pytest.param("out-under-a-file", r"cannot create --out .*: Not a directory", id="out-under-a-file"),
+        pytest.param("out-holds-other-files", r"holds other files", id="out-holds-other-files"),
     ],
 )
 def test_rest_index_build_bad_input(
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     word_tokenizer_dir: Path,
     case: str,
@@ -75,13 +75,21 @@ def test_rest_index_build_bad_input(
         tokenizer = str(tmp_path / "no-such-tokenizer")
     elif case == "out-is-a-file":
         out.write_text("precious")
-    code, stdout, err = run(capsys, "rest-index", "build", str(corpus), "--out", str(out), "--tokenizer", tokenizer)
+    elif case == "out-holds-other-files":
+        out.mkdir()
+        (out / "notes.txt").write_text("precious")
+    monkeypatch.chdir(tmp_path)
+    given = {"out-empty": "", "out-under-a-file": str(corpus / "index")}.get(case, str(out))
+    code, stdout, err = run(capsys, "rest-index", "build", str(corpus), "--out", given, "--tokenizer", tokenizer)
     assert code == EXIT_USAGE and stdout == ""
     assert_one_error_line(err, pattern)
     if case == "out-is-a-file":
         assert out.read_text() == "precious"
+    elif case == "out-holds-other-files":
+        assert [p.name for p in out.iterdir()] == ["notes.txt"]
     else:
         assert not out.exists(), "no half-written index directory"
+    assert {p.name for p in tmp_path.iterdir()} <= {"corpus.txt", "index"}  # `--out ""` wrote into the working dir
 
 
 # ---- db upgrade, db roles ----------------------------------------------------------------------------------------

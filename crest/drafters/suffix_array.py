@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import shutil
 import tempfile
 from array import array
 from collections.abc import Sequence
@@ -317,13 +318,29 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
     from crest.ingest.corpus import CorpusReport, iter_documents
     from crest.ingest.tokenizer import tokenize_corpus
 
-    if Path(out).exists() and not Path(out).is_dir():
+    target = Path(out).expanduser()
+    if not out.strip():
+        raise ConfigError("--out is empty: give the index directory")
+    if target.exists() and not target.is_dir():
         raise ConfigError(f"--out {out!r} exists and is not a directory")
-    tok = load_tokenizer(resolve_model_spec(tokenizer))
-    with tempfile.TemporaryDirectory() as work:
-        corpus = tokenize_corpus(iter_documents(list(inputs), fmt=fmt, report=CorpusReport()), tok, workdir=Path(work))
-        if corpus.tokens_total == 0:
-            raise CorpusError("the corpus has no tokens")
-        index = RestIndex.build(corpus.tokens, corpus.doc_offsets)
-        index.save(out)
+    if target.is_dir() and any(target.iterdir()) and not (target / "meta.json").is_file():
+        raise ConfigError(f"--out {out!r} holds other files: give a new or empty directory, or an index to replace")
+    made = not target.exists()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create --out {out!r}: {exc.strerror or exc}") from None
+    try:
+        tok = load_tokenizer(resolve_model_spec(tokenizer))
+        with tempfile.TemporaryDirectory() as work:
+            docs = iter_documents(list(inputs), fmt=fmt, report=CorpusReport())
+            corpus = tokenize_corpus(docs, tok, workdir=Path(work))
+            if corpus.tokens_total == 0:
+                raise CorpusError("the corpus has no tokens")
+            index = RestIndex.build(corpus.tokens, corpus.doc_offsets)
+            index.save(target)
+    except BaseException:
+        if made:  # no empty directory left by a failed build
+            shutil.rmtree(target, ignore_errors=True)
+        raise
     return index.nbytes, corpus.tokens_total
