@@ -12,7 +12,6 @@ cut at the end-of-sequence token, so each response equals the model's unbatched 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from crest._outputs import output_file
+from crest._outputs import output_file, replacing
 from crest.errors import ConfigError
 
 
@@ -92,18 +91,17 @@ def write_answers(
     started, written, new = time.perf_counter(), 0, 0
     partial = check_out(out)
     out = output_file(out, option="--out")
-    with open(partial, "w", encoding="utf-8") as sink:
+    with replacing(out, partial=partial) as sink:
         for done in responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch):
             for i, response in done:
                 if answers_only:  # what the model writes, without its end-of-sequence token
                     text = loaded.tokenizer.decode(response, skip_special_tokens=True)
                 else:
                     text = loaded.tokenizer.decode(kept[i] + response, skip_special_tokens=False)
-                sink.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                sink.write((json.dumps({"text": text}, ensure_ascii=False) + "\n").encode())
                 written, new = written + 1, new + len(response)
             sink.flush()
             note(f"responses {written}/{len(kept)}, {new:,} tokens, {time.perf_counter() - started:.0f} s")
-    os.replace(partial, out)
     seconds = time.perf_counter() - started
     return {"documents": written, "skipped": len(encoded) - len(kept), "new_tokens": new, "seconds": seconds}
 

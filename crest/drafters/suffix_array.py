@@ -319,17 +319,7 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
     from crest.ingest.tokenizer import tokenize_corpus
 
     target = Path(out).expanduser()
-    if not out.strip():
-        raise ConfigError("--out is empty: give the index directory")
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"--out {out!r} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not (target / "meta.json").is_file():
-        raise ConfigError(f"--out {out!r} holds other files: give a new or empty directory, or an index to replace")
-    made = not target.exists()
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create --out {out!r}: {exc.strerror or exc}") from None
+    made = _index_dir(target, out)
     try:
         tok = load_tokenizer(resolve_model_spec(tokenizer))
         with tempfile.TemporaryDirectory() as work:
@@ -338,9 +328,33 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
             if corpus.tokens_total == 0:
                 raise CorpusError("the corpus has no tokens")
             index = RestIndex.build(corpus.tokens, corpus.doc_offsets)
-            index.save(target)
+            try:
+                index.save(target)
+            except OSError as exc:
+                raise ConfigError(f"cannot write the index into --out {out!r}: {exc.strerror or exc}") from None
     except BaseException:
         if made:  # no empty directory left by a failed build
             shutil.rmtree(target, ignore_errors=True)
         raise
     return index.nbytes, corpus.tokens_total
+
+
+def _index_dir(target: Path, out: str) -> bool:
+    """Make the directory `--out` names (True) or accept an existing empty one or index (False); else ConfigError."""
+    if not out.strip():  # Path("") is the working directory
+        raise ConfigError("--out is empty: give the index directory")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--out {out!r} exists and is not a directory")
+    if target.is_dir():
+        try:
+            names = {p.name for p in target.iterdir()}
+        except OSError as exc:
+            raise ConfigError(f"cannot read --out {out!r}: {exc.strerror or exc}") from None
+        if names and ("meta.json" not in names or names - set(_FILES)):  # what an index replaced file by file is not
+            raise ConfigError(f"--out {out!r} holds other files than an index: give a new or empty directory")
+        return False
+    try:
+        target.mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create --out {out!r}: {exc.strerror or exc}") from None
+    return True

@@ -27,7 +27,7 @@ from crest_client.batch_codec import decode_trees
 from crest_client.errors import FingerprintMismatch, StoreNotFound
 from crest_client.info import StoreInfo, read_info
 
-from crest._outputs import output_file
+from crest._outputs import output_file, replacing
 from crest.db import ngram_table, session
 from crest.errors import ConfigError
 
@@ -140,14 +140,13 @@ def export_llama_lookup(
     path = output_file(out, option="OUT")  # written through a link, never over a device
     if not path.parent.is_dir():
         raise ConfigError(f"{str(path.parent)!r}: no such directory")
-    versions = store_versions(dsn, store, tiers=tiers)
-    if gguf is not None:
-        check_gguf(gguf, versions[0])  # before reading every row: a wrong tokenizer is found at once
-    counts = store_counts(dsn, versions)
-    data = encode_cache(counts)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # a reader never sees half a file
+    with replacing(path) as sink:  # a reader never sees half a file
+        versions = store_versions(dsn, store, tiers=tiers)
+        if gguf is not None:
+            check_gguf(gguf, versions[0])  # before reading every row: a wrong tokenizer is found at once
+        counts = store_counts(dsn, versions)
+        data = encode_cache(counts)
+        sink.write(data)
     by_n: dict[int, int] = {}
     for key in counts:
         by_n[len(key)] = by_n.get(len(key), 0) + 1

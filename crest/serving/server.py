@@ -99,15 +99,14 @@ def check_listen(host: str, port: int) -> None:
     """Raise ConfigError unless `host:port` can be listened on now (bound as uvicorn binds it, then let go)."""
     import socket
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's choice: "localhost" is tried as IPv4
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        with socket.socket(family, kind, proto) as sock:
+        with socket.socket(family) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-    except OSError as exc:  # socket.gaierror included: a host name that does not resolve
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            sock.bind((host, port))
+    except (OSError, TypeError) as exc:  # gaierror: a name that does not resolve; TypeError: one not encodable
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise ConfigError(f"cannot listen on {where}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def run_app(app: Any, *, host: str, port: int, log_level: str = "info") -> None:
