@@ -148,6 +148,38 @@ def test_answer_refuses_a_link_loop_before_the_model_loads(
     assert code == 2 and "cannot follow its links" in one_error_line(err), err
 
 
+def _partial_fifo(root: Path) -> None:
+    os.mkfifo(root / "out.jsonl.partial")
+
+
+def _partial_directory(root: Path) -> None:
+    (root / "out.jsonl.partial").mkdir()
+
+
+def _partial_link(root: Path) -> None:
+    (root / "elsewhere.jsonl").write_text("precious\n")
+    (root / "out.jsonl.partial").symlink_to(root / "elsewhere.jsonl")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(_partial_fifo, id="fifo"),  # opening it to append would wait for a reader forever
+        pytest.param(_partial_directory, id="directory"),
+        pytest.param(_partial_link, id="link"),  # the rename would turn OUT into the link
+    ],
+)  # fmt: skip
+def test_answer_refuses_a_partial_file_that_is_not_a_regular_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], make: Callable[[Path], None]
+) -> None:
+    make(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = ["answer", "--prompts", "humaneval", "--limit", "1", "--model", str(tmp_path / "no-model")]
+    code, _, err = run(monkeypatch, capsys, *args, "--out", str(tmp_path / "out.jsonl"))
+    assert code == 2 and "out.jsonl.partial' is not a regular file" in one_error_line(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 # ---- crest rest-index build --out --------------------------------------------------------------------------------
 
 
@@ -199,6 +231,54 @@ def test_rest_index_build_replaces_an_existing_index(
         code, _, err = run(monkeypatch, capsys, *_index_args(tmp_path, word_tokenizer_dir, str(out)))
         assert code == 0, err
     assert "meta.json" in {p.name for p in out.iterdir()}
+
+
+def _index_files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in root.iterdir()}
+
+
+def test_rest_index_build_that_fails_while_writing_leaves_the_old_index_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], word_tokenizer_dir: Path
+) -> None:
+    from crest.drafters.suffix_array import RestIndex
+
+    out = tmp_path / "index"
+    args = _index_args(tmp_path, word_tokenizer_dir, str(out))
+    assert run(monkeypatch, capsys, *args)[0] == 0
+    before = _index_files(out)
+    (tmp_path / "corpus.txt").write_text("a different corpus of other words\n")
+
+    def half_save(self: RestIndex, path: Path | str) -> None:  # a full disk after the first array
+        (Path(path) / "tokens.npy").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RestIndex, "save", half_save)
+    code, _, err = run(monkeypatch, capsys, *args)
+    assert code == 2 and "No space left on device" in one_error_line(err), err
+    assert _index_files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "index"]  # no partial directory beside it
+    RestIndex.load(out)
+
+
+def test_rest_index_build_replaces_an_index_through_a_link_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], word_tokenizer_dir: Path
+) -> None:
+    from crest.drafters.suffix_array import RestIndex
+
+    real = tmp_path / "real"
+    link = tmp_path / "link"
+    args = _index_args(tmp_path, word_tokenizer_dir, str(real))
+    assert run(monkeypatch, capsys, *args)[0] == 0
+    first = len(RestIndex.load(real))
+    real.chmod(0o755)
+    link.symlink_to(real, target_is_directory=True)
+    again = _index_args(tmp_path, word_tokenizer_dir, str(link))
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat\n" * 5)
+    code, _, err = run(monkeypatch, capsys, *again)
+    assert code == 0, err
+    assert link.is_symlink() and stat.S_IMODE(real.stat().st_mode) == 0o755
+    assert len(RestIndex.load(link)) == len(RestIndex.load(real)) != first  # the second corpus's index
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "link", "real"]
 
 
 # ---- crest serve --port ------------------------------------------------------------------------------------------

@@ -113,8 +113,11 @@ def check_out(out: Path) -> Path:
     """
     out = output_file(out, option="--out")  # written through a link, never over a device
     partial = out.with_name(out.name + ".partial")
-    if partial.is_dir():
-        raise ConfigError(f"{str(partial)!r} is a directory: give --out another file name")
+    if partial.is_symlink() or (partial.exists() and not partial.is_file()):  # a FIFO would block the open below
+        raise ConfigError(
+            f"{str(partial)!r} is not a regular file (a directory, link, FIFO or device): remove it or give --out "
+            "another file name"
+        )
     existed = partial.exists()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

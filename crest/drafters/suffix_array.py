@@ -329,7 +329,7 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
                 raise CorpusError("the corpus has no tokens")
             index = RestIndex.build(corpus.tokens, corpus.doc_offsets)
             try:
-                index.save(target)
+                save_replacing(index, target)
             except OSError as exc:
                 raise ConfigError(f"cannot write the index into --out {out!r}: {exc.strerror or exc}") from None
     except BaseException:
@@ -337,6 +337,36 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
             shutil.rmtree(target, ignore_errors=True)
         raise
     return index.nbytes, corpus.tokens_total
+
+
+def save_replacing(index: RestIndex, target: Path) -> None:
+    """Write `index` beside `target` and rename it into place, so `target` is the old index or the new one whole.
+
+    `target` is an empty directory or an index (or a link to one); a failure leaves it as it was and no partial
+    directory beside it. A directory whose parent is not writable is written in place, file by file.
+    """
+    target = target.resolve()
+    try:
+        fresh = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    except PermissionError:
+        index.save(target)
+        return
+    old = fresh.with_suffix(".old")
+    try:
+        index.save(fresh)
+        fresh.chmod(target.stat().st_mode & 0o7777)  # mkdtemp's 0700 would hide the index from other users
+        if any(target.iterdir()):  # rename(2) replaces an empty directory only
+            target.rename(old)
+            try:
+                fresh.rename(target)
+            except OSError:
+                old.rename(target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            fresh.replace(target)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def _index_dir(target: Path, out: str) -> bool:
@@ -350,7 +380,7 @@ def _index_dir(target: Path, out: str) -> bool:
             names = {p.name for p in target.iterdir()}
         except OSError as exc:
             raise ConfigError(f"cannot read --out {out!r}: {exc.strerror or exc}") from None
-        if names and ("meta.json" not in names or names - set(_FILES)):  # what an index replaced file by file is not
+        if names and ("meta.json" not in names or names - set(_FILES)):
             raise ConfigError(f"--out {out!r} holds other files than an index: give a new or empty directory")
         return False
     try:
