@@ -51,9 +51,10 @@ def test_read_dsn_falls_back_to_the_embedded_server(monkeypatch: pytest.MonkeyPa
         ("host=a,b port=6000 dbname=x", ["a:6000", "b:6000"]),
         ("postgresql://u@a:5433,b/x?target_session_attrs=read-only", ["a:5433", "b:5432"]),
         ("postgresql://u@a,b:7/x?load_balance_hosts=random", ["a:5432", "b:7"]),
+        ("postgresql://u@a/x?sslmode=verify-full&channel_binding=require&gssencmode=disable", ["a:5432"]),
         ("hostaddr=10.0.0.1,10.0.0.2 dbname=x", ["10.0.0.1:5432", "10.0.0.2:5432"]),
     ],
-    ids=["keywords", "one-port", "uri-default-port", "uri-empty-port", "hostaddr"],
+    ids=["keywords", "one-port", "uri-default-port", "uri-empty-port", "ssl-options", "hostaddr"],
 )
 def test_hosts_in_the_order_connections_try_them(dsn: str, expected: list[str]) -> None:
     assert hosts(check_dsn(dsn)) == expected
@@ -69,8 +70,24 @@ def test_hosts_in_the_order_connections_try_them(dsn: str, expected: list[str]) 
         ("host=a nonsense=1", "cannot be parsed"),
         ("postgresql://[::1/x", "cannot be parsed"),
         ("postgresql://a:1:2/x", "port '1:2' is not a port number"),
+        ("postgresql://a/x?sslmode=bogus", "sslmode='bogus' is not one of disable, allow"),
+        ("host=a sslmode=Require dbname=x", "sslmode='Require' is not one of"),  # libpq compares exactly
+        ("host=a gssencmode=always dbname=x", "gssencmode='always' is not one of"),
+        ("host=a channel_binding=yes dbname=x", "channel_binding='yes' is not one of"),
     ],
-    ids=["ports", "hostaddr", "session-attrs", "load-balance", "unknown-key", "bad-uri", "bad-port"],
+    ids=[
+        "ports",
+        "hostaddr",
+        "session-attrs",
+        "load-balance",
+        "unknown-key",
+        "bad-uri",
+        "bad-port",
+        "sslmode",
+        "sslmode-case",
+        "gssencmode",
+        "channel-binding",
+    ],  # fmt: skip
 )
 def test_unusable_dsns_are_refused(dsn: str, says: str) -> None:
     with pytest.raises(InvalidDsn, match=says) as refused:

@@ -11,6 +11,15 @@ from crest_client.errors import InvalidDsn
 
 SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
 LOAD_BALANCE = ("disable", "random")
+CHOICES = {  # libpq's options with a fixed set of values (PostgreSQL 18), which it refuses only when connecting
+    "target_session_attrs": SESSION_ATTRS,
+    "load_balance_hosts": LOAD_BALANCE,
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+}
 
 
 def hosts(dsn: str) -> list[str]:
@@ -28,13 +37,13 @@ def hosts(dsn: str) -> list[str]:
 
 
 def check_dsn(dsn: str) -> str:
-    """Return `dsn` when libpq can use it (hosts and ports match, known session attributes), else raise InvalidDsn."""
+    """Return `dsn` when libpq can use it (hosts and ports match, known option values), else raise InvalidDsn."""
     params = dsn_params(dsn)
     hosts(dsn)
     named, addresses = params.get("host"), params.get("hostaddr")
     if named and addresses and len(named.split(",")) != len(addresses.split(",")):
         raise InvalidDsn("the DSN's host and hostaddr lists differ in length")
-    for key, allowed in (("target_session_attrs", SESSION_ATTRS), ("load_balance_hosts", LOAD_BALANCE)):
+    for key, allowed in CHOICES.items():
         value = params.get(key)
         if value is not None and value not in allowed:
             raise InvalidDsn(f"the DSN's {key}={value!r} is not one of {', '.join(allowed)}")
