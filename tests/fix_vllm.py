@@ -113,3 +113,15 @@ def vllm_config(tokenizer: Path, *, k: int = K, max_len: int = 64, vocab: int = 
     model = SimpleNamespace(max_model_len=max_len, tokenizer=str(tokenizer), model=str(tokenizer),
                             get_vocab_size=lambda: vocab)  # fmt: skip
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=model)
+
+
+def vllm_python() -> str | None:
+    """Return a Python that imports vLLM: CREST_VLLM_PYTHON, else this one when it has vLLM, else None."""
+    import importlib.util
+    import os
+    import sys
+
+    given = os.environ.get("CREST_VLLM_PYTHON")
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None

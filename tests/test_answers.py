@@ -50,6 +50,22 @@ def test_answers_only_writes_the_responses_alone(loaded: Any, tmp_path: Path) ->
     assert figures["documents"] == len(PROMPTS) and sorted(texts) == sorted(want)
 
 
+def test_answers_come_from_the_generator_given(loaded: Any, tmp_path: Path) -> None:
+    from collections.abc import Iterator, Sequence
+
+    asked: list[list[int]] = []
+
+    def engine(prompts: Sequence[Sequence[int]]) -> Iterator[list[tuple[int, list[int]]]]:  # another engine's
+        asked.extend(list(p) for p in prompts)
+        yield [(i, list(p[:1])) for i, p in enumerate(prompts)][::-1]  # any order: each echoes its first token
+
+    out = tmp_path / "answers.jsonl"
+    figures = write_answers(loaded, PROMPTS, out, answers_only=True, generate=engine)
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert asked == [loaded.encode_prompt(p) for p in PROMPTS]
+    assert figures["new_tokens"] == len(PROMPTS) and texts == [p.split()[0] for p in PROMPTS][::-1]
+
+
 def test_sharegpt_turns_are_first_human_turns(tmp_path: Path) -> None:
     records = [
         {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(9)

@@ -31,7 +31,7 @@ from crest.integrations.chain import best_chain
 from crest.integrations.vllm import CrestProposer
 from tests.fix_proxy import Proxy
 from tests.fix_require import require
-from tests.fix_vllm import K, Runner, vllm_config
+from tests.fix_vllm import K, Runner, vllm_config, vllm_python
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -315,18 +315,6 @@ MAX_TOKENS = 40
 TAUGHT = 3  # the store holds the no-speculation outputs of the first TAUGHT prompts (the others: wrong drafts)
 
 
-def _vllm_python() -> str | None:
-    """Return a Python that imports vLLM: CREST_VLLM_PYTHON, else this one when it has vLLM, else None."""
-    import importlib.util
-    import os
-    import sys
-
-    given = os.environ.get("CREST_VLLM_PYTHON")
-    if given:
-        return given
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
-
-
 class VllmServer:
     """vLLM's OpenAI server in a subprocess (its own process group), up once /health answers."""
 
@@ -421,7 +409,7 @@ def served(pg_server: str, tmp_path_factory: pytest.TempPathFactory, smollm2_ggu
     from crest.db.versions import upgrade
     from crest.decoding.export import export_hf
 
-    python = _vllm_python()
+    python = vllm_python()
     if python is None:
         require("vllm", "no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
     root = tmp_path_factory.mktemp("vllm")
@@ -506,7 +494,7 @@ def served_dense(served: Any, smollm2_gguf: Path, tmp_path_factory: pytest.TempP
     """A vLLM serving with CrestProposer (drafter dense) on a store whose dense part holds some of vLLM's texts."""
     from crest.ingest.dense import DenseOptions
 
-    python = _vllm_python()
+    python = vllm_python()
     assert python is not None  # `served` skipped otherwise
     root = tmp_path_factory.mktemp("vllm-dense")
     corpus = root / "taught.jsonl"

@@ -31,7 +31,10 @@ def answer(
     chat: Chat = False,
     max_new_tokens: MaxNewTokens = 128,
     max_prompt_tokens: Annotated[int, typer.Option(help="Skip prompts longer than this (in tokens).")] = 512,
-    batch: Annotated[int, typer.Option(help="Prompts generated together (left-padded).")] = 16,
+    batch: Annotated[int, typer.Option(help="Prompts generated together (left-padded; vLLM: at most at once).")] = 16,
+    engine: Annotated[
+        str, typer.Option(help="transformers, or vllm (where vLLM is installed: about 3x faster on this CPU).")
+    ] = "transformers",
     seed: Annotated[int, typer.Option(help="Seed of the --sharegpt sample.")] = 0,
     device: Device = "cpu",
     dtype: Dtype = "float32",
@@ -41,13 +44,16 @@ def answer(
 
     Each line is {"text": prompt + answer} (the prompt as the model saw it, through the chat template with
     --chat), or with --answers-only the answer alone. Lines are written to OUT.partial as each batch finishes and
-    OUT appears once every prompt is answered. A GPU answers thousands of prompts a minute, this CPU about 15 tokens/s.
+    OUT appears once every prompt is answered. A GPU answers thousands of prompts a minute; this 2-core CPU about 58
+    tokens/s at --batch 64, and 3x that with --engine vllm (run from vLLM's environment).
     """
     from crest.bench.prompts import load_prompts, sharegpt_turns
     from crest.decoding.answers import check_out, write_answers
     from crest.decoding.models import load_model
     from crest.errors import ConfigError
 
+    if engine not in ("transformers", "vllm"):
+        raise ConfigError(f"unknown --engine {engine!r}: use transformers or vllm")
     if (prompts is None) == (sharegpt is None):
         raise ConfigError("give --prompts or --sharegpt (one of them)")
     for name, value in (
@@ -66,7 +72,18 @@ def answer(
     if not texts:
         raise ConfigError("no prompt to answer")
     check_out(out)  # before the model loads
+    if engine == "vllm":
+        from crest.integrations.vllm_answers import check_vllm
+
+        check_vllm()
     loaded = load_model(model, device=device, dtype=dtype)
+    generate = None
+    if engine == "vllm":
+        from functools import partial
+
+        from crest.integrations.vllm_answers import vllm_responses
+
+        generate = partial(vllm_responses, loaded, model=model, max_new_tokens=max_new_tokens, batch=batch, dtype=dtype)
     figures = write_answers(
         loaded,
         texts,
@@ -76,6 +93,7 @@ def answer(
         max_prompt_tokens=max_prompt_tokens,
         batch=batch,
         answers_only=answers_only,
+        generate=generate,
         note=lambda line: print(line, file=sys.stderr, flush=True),
     )
     if as_json:

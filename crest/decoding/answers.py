@@ -22,6 +22,8 @@ import torch
 from crest._outputs import output_file, replacing
 from crest.errors import ConfigError
 
+Generate = Callable[[Sequence[Sequence[int]]], Iterator[list[tuple[int, list[int]]]]]  # prompts -> (index, response)
+
 
 def respond(
     loaded: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128, batch: int = 16
@@ -77,12 +79,14 @@ def write_answers(
     max_prompt_tokens: int = 512,
     batch: int = 16,
     answers_only: bool = False,
+    generate: Generate | None = None,
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Write one `{"text": prompt + greedy response}` (or response only) line per prompt to `out`; return figures.
 
     Lines go to `out` + `.partial` as each batch finishes, renamed to `out` once every prompt is answered: a run
-    stopped early keeps its answers there, and `out` is never half written.
+    stopped early keeps its answers there, and `out` is never half written. `generate` yields the responses
+    (default: `responses` with `max_new_tokens` and `batch`; `crest.integrations.vllm_answers` has vLLM's).
     """
     encoded = [loaded.encode_prompt(p, chat=chat) for p in prompts]
     kept = [ids for ids in encoded if 0 < len(ids) <= max_prompt_tokens]  # long prompts would dominate the batch
@@ -92,7 +96,8 @@ def write_answers(
     partial = check_out(out)
     out = output_file(out, option="--out")
     with replacing(out, partial=partial) as sink:
-        for done in responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch):
+        made = generate(kept) if generate else responses(loaded, kept, max_new_tokens=max_new_tokens, batch=batch)
+        for done in made:
             for i, response in done:
                 if answers_only:  # what the model writes, without its end-of-sequence token
                     text = loaded.tokenizer.decode(response, skip_special_tokens=True)

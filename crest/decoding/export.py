@@ -29,7 +29,12 @@ def export_hf(model: str, out: str | Path, *, dtype: str = "float32", overwrite:
         raise ConfigError(f"unknown export dtype {dtype!r}: use one of {', '.join(EXPORT_DTYPES)}")
     target = Path(out).expanduser()
     _check_target(target, overwrite=overwrite)
-    loaded = load_model(model, dtype=dtype)
+    save_hf(load_model(model, dtype=dtype), target)
+    return target
+
+
+def save_hf(loaded: Any, target: Path) -> None:
+    """Write a loaded model (weights as safetensors, config, tokenizer, no quantization config) into `target`."""
     drop_quantization(loaded.model)
     try:
         target.mkdir(parents=True, exist_ok=True)
@@ -39,7 +44,6 @@ def export_hf(model: str, out: str | Path, *, dtype: str = "float32", overwrite:
             loaded.tokenizer.save_pretrained(str(target))
     except OSError as exc:
         raise ModelError(f"cannot write the model to {str(target)!r}: {exc}") from None
-    return target
 
 
 def drop_quantization(model: Any) -> None:
