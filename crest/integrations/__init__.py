@@ -1,5 +1,6 @@
-"""crest inside the inference engines people already run: a proposer vLLM loads by name (`crest.integrations.vllm`).
+"""crest inside the inference engines people already run: a proposer vLLM loads by name (`crest.integrations.vllm`),
+and vLLM writing the model's own answers (`crest.integrations.vllm_answers`, for `crest answer --engine vllm`).
 
-Nothing here is imported by crest itself; each engine's module imports only crest's library layers (drafters,
-decoding policy, learning), never the server or the CLI.
+Only the CLI imports these modules; each imports only crest's library layers (drafters, decoding, learning), never
+the server or the CLI.
 """
