@@ -3,6 +3,8 @@
 The public API, grouped as the code is: building a store (`crest.ingest`), the database (`crest.db`), drafters
 (`crest.drafters`), decoding (`crest.decoding`); benchmarks (`crest.bench`) and the command line (`crest.cli`)
 sit on top. Names are imported on first use, so `import crest` stays light (no torch until decoding is used).
+`crest.ingest` is the subpackage (Python binds a subpackage's name on its parent once it is imported); the
+function that builds a store is `crest.ingest.ingest`.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ if TYPE_CHECKING:
     from crest.config import IngestOptions
     from crest.decoding import GenerationResult, SpeculativeGenerator, load_model
     from crest.drafters import Drafter, make_drafter, open_drafter
-    from crest.ingest import IngestSummary, ingest, load_tokenizer
+    from crest.ingest import IngestSummary, load_tokenizer
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "IngestOptions": "crest.config",
     "IngestSummary": "crest.ingest",
-    "ingest": "crest.ingest",
     "load_tokenizer": "crest.ingest",
     "Drafter": "crest.drafters",
     "make_drafter": "crest.drafters",
@@ -49,7 +50,6 @@ __all__ = [
     "IngestSummary",
     "SpeculativeGenerator",
     "__version__",
-    "ingest",
     "load_model",
     "load_tokenizer",
     "make_drafter",

@@ -43,14 +43,19 @@ def store(db_dsn: str) -> Iterator[Store]:
 
 @pytest.mark.parametrize(
     ("context", "n", "first"),
-    [([1, 2, 3, 4, 5], 3, 300), ([7, 4, 5], 2, 200), ([8, 5], 1, 100), ([3, 9, 9], 2, 400), ([5], 1, 100)],
-    ids=["longest-3", "longest-2", "only-1", "other-2", "short-context"],
-)
+    [
+        ([1, 2, 3, 4, 5], 3, 300), ([7, 4, 5], 2, 200), ([8, 5], 1, 100), ([3, 9, 9], 2, 400), ([5], 1, 100),
+        ([3, VOCAB + 9, 4, 5], 2, 200), ([3, 4, -1, 5], 1, 100),
+    ],
+    ids=["longest-3", "longest-2", "only-1", "other-2", "short-context", "oov-before-2", "negative-before-1"],
+)  # fmt: skip
 def test_draft_returns_longest_stored_suffix(store: Store, context: list[int], n: int, first: int) -> None:
     draft = store.draft(context)
     assert draft is not None
     assert draft.n == n
     assert int(draft.tokens[0]) == first
+    (many,) = store.draft_many([context])
+    assert many is not None and many.n == n and int(many.tokens[0]) == first
 
 
 def test_filter_spares_round_trips_for_unstored_contexts(store: Store) -> None:

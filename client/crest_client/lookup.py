@@ -66,8 +66,8 @@ def lookup_sql(version_ids: Sequence[int], probes: int | None, *, every: bool = 
 def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int], list[bytes]]:
     """Return (context index, key) pairs of every suffix of each tail that the version may hold, longest first.
 
-    A tail with a token outside the vocabulary has none; `info` is a `StoreInfo` (max_n, token_width,
-    vocab_size, key_filter).
+    Only suffixes after a tail's last token outside the vocabulary (a padding id, a model's extra rows) count;
+    `info` is a `StoreInfo` (max_n, token_width, vocab_size, key_filter).
     """
     max_n, width, vocab = info.max_n, info.token_width, info.vocab_size
     found = info.key_filter
@@ -75,9 +75,9 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
     index: list[int] = []
     keys: list[bytes] = []
     for i, whole in enumerate(tails):
-        tail = [int(t) for t in whole[-max_n:]]
+        tail = usable_tail(whole, max_n, vocab)
         m = len(tail)
-        if not m or min(tail) < 0 or max(tail) >= vocab:
+        if not m:
             continue
         raw = struct.pack(f">{m}{code}", *tail) if code else b"".join([t.to_bytes(width, "big") for t in tail])
         h, starts = SEED, []
@@ -90,6 +90,13 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
             index.append(i)
             keys.append(raw[k * width :])
     return index, keys
+
+
+def usable_tail(context: Sequence[int], max_n: int, vocab: int) -> list[int]:
+    """Return the context's last `max_n` tokens after its last token outside [0, vocab): the suffixes a store holds."""
+    tail = [int(t) for t in context[-max_n:]] if max_n > 0 else []
+    bad = [k for k, t in enumerate(tail) if t < 0 or t >= vocab]
+    return tail[bad[-1] + 1 :] if bad else tail
 
 
 batch_keys = candidate_keys  # the name earlier releases exported

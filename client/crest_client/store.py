@@ -44,7 +44,7 @@ from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
 from crest_client.hosts import check_dsn, resolve_read_dsn
 from crest_client.info import PUBLISHED_SQL, StoreInfo, read_info, read_live
-from crest_client.lookup import candidate_keys
+from crest_client.lookup import candidate_keys, usable_tail
 from crest_client.names import check_store_name
 from crest_client.tiers import TIERS, PartScales, merge_parts
 
@@ -152,10 +152,13 @@ class Store:
         )
 
     def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes | None]:
-        """Return the keys of the context's suffixes, longest (max n) first; None where too short."""
+        """Return the keys of the context's suffixes, longest (max n) first; None where too short or out of vocabulary.
+
+        A context whose last token is outside the vocabulary has no key: [].
+        """
         info = self.info
-        tail = [int(t) for t in context_ids[-info.max_n :]]
-        if any(t < 0 or t >= info.vocab_size for t in tail):
+        tail = usable_tail(context_ids, info.max_n, info.vocab_size)
+        if len(context_ids) and not tail:
             return []
         w = info.token_width
         raw = b"".join(t.to_bytes(w, "big") for t in tail)
