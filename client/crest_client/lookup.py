@@ -92,7 +92,7 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
     return index, keys
 
 
-def usable_tail(context: Sequence[int], max_n: int, vocab: int) -> list[int]:
+def usable_tail(context: Sequence[int] | np.ndarray, max_n: int, vocab: int) -> list[int]:
     """Return the context's last `max_n` tokens after its last token outside [0, vocab): the suffixes a store holds."""
     tail = [int(t) for t in context[-max_n:]] if max_n > 0 else []
     bad = [k for k, t in enumerate(tail) if t < 0 or t >= vocab]
