@@ -41,6 +41,7 @@ def publish(
     fingerprint: str = "fp-a",
     data: bool = True,
     tier: str = "static",
+    max_n: int = 3,
 ) -> int:
     """Publish a version of store `name` holding `rows` ({ngram: tree blob}); return its id."""
     build = db.begin_build(
@@ -50,7 +51,7 @@ def publish(
         tokenizer="test",
         vocab_size=VOCAB,
         token_width=token_width(VOCAB),
-        params={"max_n": 3},
+        params={"max_n": max_n},
         tier=tier,
     )
     try:

@@ -76,6 +76,19 @@ def test_store_without_filter_probes_every_length(db_dsn: str) -> None:
         assert bare.draft([600, 700]) is None and bare.stats["queries"] == 2
 
 
+def test_the_lookup_that_finds_a_new_version_reads_as_far_back_as_its_max_n(db_dsn: str) -> None:
+    short = {k: tree for k, tree in ROWS.items() if len(k) <= 2}
+    publish(db_dsn, "grows", short, max_n=2)
+    with Store.connect(db_dsn, "grows", cache_size=0, refresh_interval=3600, timeout=2.0) as handle:
+        (before,) = handle.draft_many([[3, 4, 5]])
+        assert before is not None and before.n == 2 and handle.info.max_n == 2
+        publish(db_dsn, "grows", ROWS, max_n=3)
+        with psycopg.connect(db_dsn) as conn:
+            assert db.clean_leftovers(conn, name="grows")  # the version the handle knew is dropped, as ingest does
+        (after,) = handle.draft_many([[3, 4, 5]])  # this call finds the switch: its tail is max_n 3 long
+        assert after is not None and after.n == 3 and int(after.tokens[0]) == 300
+
+
 @pytest.mark.parametrize("context", [[1, 2, 6], [], [VOCAB + 5], [-1]], ids=["unknown", "empty", "oov", "negative"])
 def test_draft_misses(store: Store, context: list[int]) -> None:
     assert store.draft(context) is None

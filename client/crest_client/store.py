@@ -210,10 +210,10 @@ class Store:
         if time.monotonic() - self._checked > self._refresh_interval:
             self._switch_version()  # also on cache hits: a live tier published meanwhile is found
         out: list[list[Draft | None]] = [[None, None] for _ in contexts]
-        max_n = self.info.max_n
-        tails = [tuple(map(int, ctx[-max_n:])) for ctx in contexts]
         self.stats["lookups"] += len(contexts)
         for attempt in range(2):  # a second try after the version we knew was dropped
+            max_n = self.info.max_n  # a version switched to may hold longer n-grams
+            tails = [tuple(map(int, ctx[-max_n:])) for ctx in contexts]
             infos = [self.info] + ([self.live] if live and self.live is not None else [])
             missing = self._caches.fill(len(infos), tails, out, max_nodes)
             if attempt == 0:
