@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import socket
 import threading
 import time
@@ -221,6 +222,35 @@ def test_a_bad_lookup_timing_variable_is_a_clear_error(
     monkeypatch.setenv(name, value)
     with pytest.raises(CrestClientError, match=f"{name} must be a number of seconds"):
         Store.connect(db_dsn, "demo")
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        pytest.param({"timeout": 0}, "timeout must be a number of seconds > 0", id="zero-timeout"),
+        pytest.param({"timeout": -1.0}, "timeout must be a number of seconds > 0", id="negative-timeout"),
+        pytest.param({"timeout": math.inf}, "timeout must be .* at most", id="infinite-timeout"),
+        pytest.param({"timeout": math.nan}, "timeout must be a number", id="nan-timeout"),
+        pytest.param({"timeout": 1e12}, "timeout must be .* at most 2147483.647", id="past-postgres-timeout"),
+        pytest.param({"spin": -0.1}, "spin must be a number of seconds >= 0", id="negative-spin"),
+        pytest.param({"refresh_interval": math.nan}, "refresh_interval must be", id="nan-refresh"),
+        pytest.param({"connect_timeout": 0}, "connect_timeout must be a number of seconds > 0", id="zero-connect"),
+        pytest.param({"cache_size": -1}, "cache_size must be a whole number >= 0", id="negative-cache"),
+        pytest.param({"pool_size": 0}, "pool_size must be a whole number >= 1", id="empty-pool"),
+        pytest.param({"pool_size": 2.5}, "pool_size must be a whole number", id="fractional-pool"),
+    ],
+)
+def test_a_bad_connect_argument_is_a_clear_error(db_dsn: str, given: dict[str, Any], message: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    with pytest.raises(CrestClientError, match=message):
+        Store.connect(db_dsn, "demo", **given)
+
+
+def test_connect_takes_numpy_counts(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    sizes: dict[str, Any] = {"cache_size": np.int64(8), "pool_size": np.int32(1)}  # counts from numpy arithmetic
+    with Store.connect(db_dsn, "demo", timeout=2.0, **sizes) as handle:
+        assert handle.draft([3, 4, 5]) is not None
 
 
 LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}

@@ -41,19 +41,27 @@ ENV_LOOKUP_TIMEOUT = "CREST_LOOKUP_TIMEOUT"  # seconds, for handles that do not 
 ENV_LOOKUP_SPIN = "CREST_LOOKUP_SPIN"  # seconds, for handles that do not pass `spin` (0: always sleep)
 
 
-def resolve_seconds(value: float | None, *, env: str, default: float, zero: bool = True) -> float:
+MAX_SECONDS = (2**31 - 1) / 1000  # PostgreSQL's statement_timeout is at most INT_MAX milliseconds
+
+
+def resolve_seconds(value: float | None, *, env: str, default: float, zero: bool = True, arg: str = "seconds") -> float:
     """Return `value`, else the seconds the environment variable `env` holds, else `default`; raise on a bad one."""
     if value is not None:
-        return float(value)
+        return check_seconds(value, name=arg, zero=zero)
     text = os.environ.get(env, "").strip()
-    if not text:
-        return default
+    return check_seconds(text, name=env, zero=zero) if text else default
+
+
+def check_seconds(value: float | str, *, name: str, zero: bool = True) -> float:
+    """Return `value` as seconds; raise CrestClientError unless it is a finite number > 0 (or 0 with `zero`)."""
     try:
-        seconds = float(text)
-    except ValueError:
+        seconds = float(value)  # a string from the environment, or a number
+    except (TypeError, ValueError):
         seconds = math.nan
-    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0))):
-        raise CrestClientError(f"{env} must be a number of seconds {'>=' if zero else '>'} 0, got {text!r}")
+    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0)) and seconds <= MAX_SECONDS):
+        raise CrestClientError(
+            f"{name} must be a number of seconds {'>=' if zero else '>'} 0 and at most {MAX_SECONDS}, got {value!r}"
+        )
     return seconds
 
 

@@ -17,6 +17,7 @@ goes on.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 import warnings
@@ -36,6 +37,7 @@ from crest_client._connections import (
     SPIN,
     Connections,
     LookupTimeout,
+    check_seconds,
     open_pool,
     resolve_seconds,
 )
@@ -119,8 +121,13 @@ class Store:
         else 0.01 and 0.0002 (a database across a network may need a longer timeout: past it, no draft).
         """
         check_store_name(name)
-        timeout = resolve_seconds(timeout, env=ENV_LOOKUP_TIMEOUT, default=LOOKUP_TIMEOUT, zero=False)
-        spin = resolve_seconds(spin, env=ENV_LOOKUP_SPIN, default=SPIN)
+        timeout = resolve_seconds(timeout, env=ENV_LOOKUP_TIMEOUT, default=LOOKUP_TIMEOUT, zero=False, arg="timeout")
+        spin = resolve_seconds(spin, env=ENV_LOOKUP_SPIN, default=SPIN, arg="spin")
+        refresh_interval = check_seconds(refresh_interval, name="refresh_interval")
+        connect_timeout = check_seconds(connect_timeout, name="connect_timeout", zero=False)
+        for what, count, least in (("cache_size", cache_size, 0), ("pool_size", pool_size, 1)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < least:
+                raise CrestClientError(f"{what} must be a whole number >= {least}, got {count!r}")
         given = dsn  # also where `learn` writes, unless write_dsn names the primary
         dsn = check_dsn(resolve_read_dsn(dsn))
         pool = open_pool(dsn, name, timeout=timeout, pool_size=pool_size, connect_timeout=connect_timeout)
