@@ -14,7 +14,7 @@ from crest_client import FingerprintMismatch, Store
 
 from crest.config import IngestOptions
 from crest.decoding.tokenizer import load_tokenizer
-from crest.errors import EXIT_USAGE, ConfigError
+from crest.errors import EXIT_USAGE, ConfigError, DatabaseError
 from crest.ingest.pipeline import ingest
 from tests.fix_cli import run_cli
 
@@ -78,6 +78,22 @@ def test_ingest_lookup_sql(db_dsn: str, corpus: Path, gguf: str) -> None:
         top = conn.execute((SQL / "top_ngrams.sql").read_text()).fetchall()
     assert {row[2] for row in coverage} == {1, 2, 3, 4}
     assert any("return" in row[4] for row in top)
+
+
+def test_one_input_given_as_a_string_is_one_input(db_dsn: str, corpus: Path, gguf: str) -> None:
+    summary = ingest(str(corpus), store="one", tokenizer=gguf, dsn=db_dsn, options=IngestOptions(top_t=100))
+    assert summary.documents == len(TEXT) * 3  # not "input 'c' does not exist"
+
+
+def test_a_database_error_is_one_line(corpus: Path, gguf: str) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dsn = f"postgresql://crest@127.0.0.1:{s.getsockname()[1]}/crest?connect_timeout=5"
+    with pytest.raises(DatabaseError, match="cannot connect to the database") as failed:
+        ingest([str(corpus)], store="none", tokenizer=gguf, dsn=dsn, options=IngestOptions(top_t=100))
+    assert "\n" not in str(failed.value) and "\t" not in str(failed.value), str(failed.value)
 
 
 def test_reingest_replaces_and_budget_limits_size(db_dsn: str, corpus: Path, gguf: str) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 class CrestClientError(Exception):
-    """Base class of the SDK's errors."""
+    """Base class of the SDK's errors: its message is one line (a database's reason on several is joined)."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (" ".join(args[0].split()),)  # libpq's "LINE 1: ..." and "\tIs the server running" lines
+        super().__init__(*args)
 
 
 class CodecError(CrestClientError):

@@ -323,7 +323,7 @@ def build_rest_index(inputs: Sequence[str], *, out: str, tokenizer: str, fmt: st
     try:
         tok = load_tokenizer(resolve_model_spec(tokenizer))
         with tempfile.TemporaryDirectory() as work:
-            docs = iter_documents(list(inputs), fmt=fmt, report=CorpusReport())
+            docs = iter_documents(inputs, fmt=fmt, report=CorpusReport())
             corpus = tokenize_corpus(docs, tok, workdir=Path(work))
             if corpus.tokens_total == 0:
                 raise CorpusError("the corpus has no tokens")

@@ -57,6 +57,11 @@ class StreamedDocument:
 Document = str | StreamedDocument
 
 
+def input_list(inputs: Sequence[str | os.PathLike[str]] | str | os.PathLike[str]) -> list[str | os.PathLike[str]]:
+    """Return the inputs as a list: one path or pattern given alone is one input, not its characters."""
+    return [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
+
+
 def iter_documents(
     inputs: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
     *,
@@ -72,7 +77,7 @@ def iter_documents(
         raise CorpusError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     if min(piece_bytes, max_record_bytes, read_bytes) < 1:
         raise CorpusError("piece_bytes, max_record_bytes and read_bytes must be positive")
-    specs = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
+    specs = input_list(inputs)
     if not specs:
         raise CorpusError("no input given")
     rep = report if report is not None else CorpusReport()

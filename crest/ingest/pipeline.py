@@ -121,7 +121,7 @@ def ingest(
     with prepared(dsn), _workdir() as work:
         t0 = time.perf_counter()
         report = CorpusReport()
-        docs = iter_documents(list(inputs), fmt=fmt, report=report)
+        docs = iter_documents(inputs, fmt=fmt, report=report)
         judge_docs = judge_documents(judge)  # resolved now: a missing path fails before the corpus is read
         fault_pause("read")
         corpus = tokenize_corpus(docs, tok, workdir=work, progress=rep.stage("read + tokenize", None))

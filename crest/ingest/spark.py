@@ -36,6 +36,7 @@ from crest import db, errors
 from crest.config import IngestOptions, resolve_model_spec
 from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import ConfigError, CorpusError, CrestError
+from crest.ingest.corpus import input_list
 from crest.ingest.loader import Reporter, SilentReporter
 from crest.ingest.ngrams import unpack_keys
 from crest.ingest.publishing import (
@@ -154,7 +155,7 @@ def ingest_spark(
         with tempfile.TemporaryDirectory(prefix="crest-judge-") as work:
             job.judge = tokenize_judge(judge_docs, tok, workdir=Path(work))
         with prepared(dsn), spark_errors():
-            summary = job.run(list(inputs))
+            summary = job.run(input_list(inputs))
     finally:
         if owned:
             session.stop()

@@ -163,7 +163,7 @@ def judge_documents(judge: Sequence[str]) -> Iterator[Document] | None:
     if not judge:
         return None
     try:
-        return iter_documents(list(judge), report=CorpusReport())
+        return iter_documents(judge, report=CorpusReport())
     except CorpusError as exc:
         raise CorpusError(f"--suffix-judge: {exc}") from None
 
