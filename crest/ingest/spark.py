@@ -155,7 +155,7 @@ def ingest_spark(
         with tempfile.TemporaryDirectory(prefix="crest-judge-") as work:
             job.judge = tokenize_judge(judge_docs, tok, workdir=Path(work))
         with prepared(dsn), spark_errors():
-            summary = job.run(input_list(inputs))
+            summary = job.run([str(spec) for spec in input_list(inputs)])
     finally:
         if owned:
             session.stop()
