@@ -1,5 +1,6 @@
-"""A TCP front for the test Postgres's unix socket that can be switched off (refusing) and on again, and a
-listener that never answers (a database that hangs): for tests of what a client does when the database fails.
+"""A TCP front for the test Postgres's unix socket that can be switched off (refusing) and on again, or stalled
+(holding every byte, as a hung server or network would), and a listener that never answers (a database that
+hangs): for tests of what a client does when the database fails.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class Proxy:
             self.port = s.getsockname()[1]
         self.listener: socket.socket | None = None
         self.open: list[socket.socket] = []
+        self.flowing = threading.Event()
+        self.flowing.set()
 
     @classmethod
     def fronting(cls, dsn: str) -> tuple[Proxy, str]:
@@ -48,6 +51,13 @@ class Proxy:
             conn.close()
         self.open = []
 
+    def stall(self) -> None:
+        """Hold every byte either way (connections stay open, nothing arrives) until `resume`."""
+        self.flowing.clear()
+
+    def resume(self) -> None:
+        self.flowing.set()
+
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
@@ -60,10 +70,10 @@ class Proxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self.flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass

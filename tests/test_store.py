@@ -31,6 +31,7 @@ from crest_client.keyfilter import KeyFilter
 
 from crest import db
 from crest.drafters.registry import close_drafter, open_drafter
+from tests.fix_proxy import Proxy
 from tests.fix_store import ROWS, VOCAB, chain_tree, draft_key, ngram_key, publish
 
 
@@ -251,6 +252,25 @@ def test_connect_takes_numpy_counts(db_dsn: str) -> None:
     sizes: dict[str, Any] = {"cache_size": np.int64(8), "pool_size": np.int32(1)}  # counts from numpy arithmetic
     with Store.connect(db_dsn, "demo", timeout=2.0, **sizes) as handle:
         assert handle.draft([3, 4, 5]) is not None
+
+
+def test_a_hung_database_costs_each_draft_one_wait_not_two(db_dsn: str) -> None:
+    publish(db_dsn, "hangs", ROWS)
+    proxy, proxied = Proxy.fronting(db_dsn)
+    proxy.up()
+    try:
+        with Store.connect(proxied, "hangs", cache_size=0, refresh_interval=0, timeout=0.3, pool_size=1) as handle:
+            assert handle.draft([3, 4, 5]) is not None
+            proxy.stall()  # every call checks the version first (refresh_interval 0), and the check waits in vain
+            assert [handle.draft([3, 4, 5]) for _ in range(3)] == [None, None, None]
+            assert handle.stats["timeouts"] + handle.stats["errors"] == 3  # the lookup after it was not sent
+            proxy.resume()
+            deadline = time.monotonic() + 30
+            while handle.draft([3, 4, 5]) is None:  # the pool reconnects once the database answers again
+                assert time.monotonic() < deadline, handle.stats
+    finally:
+        proxy.resume()
+        proxy.down()
 
 
 LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}

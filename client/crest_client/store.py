@@ -214,8 +214,9 @@ class Store:
         self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64, *, live: bool = True
     ) -> list[list[Draft | None]]:
         """Return [static draft, live draft] for each context: every lookup of both tiers in one statement."""
-        if time.monotonic() - self._checked > self._refresh_interval:
-            self._switch_version()  # also on cache hits: a live tier published meanwhile is found
+        answered = True
+        if time.monotonic() - self._checked > self._refresh_interval:  # also on cache hits: a new live tier
+            answered = self._switch_version() is not None
         out: list[list[Draft | None]] = [[None, None] for _ in contexts]
         self.stats["lookups"] += len(contexts)
         for attempt in range(2):  # a second try after the version we knew was dropped
@@ -225,6 +226,8 @@ class Store:
             missing = self._caches.fill(len(infos), tails, out, max_nodes)
             if attempt == 0:
                 self.stats["hits"] += len(contexts) - len(missing[0])
+            if not answered:  # the version check just waited its timeout in vain: cached drafts only this call
+                return out
             try:
                 found = fetch_drafts(
                     self._conns, infos, tails, missing, rule=self.rule, stats=self.stats, corrupt=self._corrupt
@@ -300,14 +303,18 @@ class Store:
         self.stats["errors"] += 1
         self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {error}")
 
-    def _switch_version(self) -> bool:
-        """Re-read which versions are published; on a change, follow them and drop their caches."""
+    def _switch_version(self) -> bool | None:
+        """Re-read which versions are published; on a change, follow them and drop their caches.
+
+        Return True when the version read is current, False when a new one could not be followed, and None when
+        the database did not answer.
+        """
         self._checked = time.monotonic()
         try:
             res = self._conns.run_params(PUBLISHED_SQL, [self.name.encode()])
         except (psycopg.Error, PoolTimeout) as exc:
             self._note_failure(exc)
-            return False
+            return None
         published = {res.get_value(r, 0).decode(): int(res.get_value(r, 1)) for r in range(res.ntuples)}
         live_id = published.get("live") if self._follow_live else None
         if live_id != (self.live.id if self.live is not None else None):
