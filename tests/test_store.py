@@ -254,6 +254,25 @@ def test_connect_takes_numpy_counts(db_dsn: str) -> None:
         assert handle.draft([3, 4, 5]) is not None
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["static-only", "with-live-tier"])
+def test_max_nodes_below_one_is_no_draft_and_a_fraction_is_refused(db_dsn: str, live: bool) -> None:
+    publish(db_dsn, "sized", ROWS)
+    if live:
+        publish(db_dsn, "sized", {(4, 5): chain_tree(600, 3)}, tier="live")
+    with Store.connect(db_dsn, "sized", timeout=2.0) as handle:
+        assert (handle.live is not None) == live
+        for nodes in (0, -3):
+            assert handle.draft([3, 4, 5], max_nodes=nodes) is None
+            assert handle.draft_many([[3, 4, 5], [5]], max_nodes=nodes) == [None, None]
+            assert handle.draft_parts([3, 4, 5], max_nodes=nodes) == [None, None]
+        for bad in (2.5, "8", True):
+            with pytest.raises(CrestClientError, match="max_nodes must be a whole number"):
+                handle.draft([3, 4, 5], max_nodes=bad)  # type: ignore[arg-type]
+        counted: Any = np.int64(1)  # a count from numpy arithmetic
+        one = handle.draft([3, 4, 5], max_nodes=counted)
+        assert one is not None and len(one) == 1
+
+
 def test_a_hung_database_costs_each_draft_one_wait_not_two(db_dsn: str) -> None:
     publish(db_dsn, "hangs", ROWS)
     proxy, proxied = Proxy.fronting(db_dsn)

@@ -196,6 +196,8 @@ class Store:
     ) -> list[Draft | None]:
         if tier is not None and tier not in TIERS:
             raise CrestClientError(f"unknown tier {tier!r}: use {' or '.join(TIERS)}, or None for all")
+        if check_max_nodes(max_nodes) == 0:
+            return [None] * len(contexts)
         if tier == "static" or (tier is None and self.live is None):
             return [parts[0] for parts in self.draft_many_parts(contexts, max_nodes, live=False)]
         found = self.draft_many_parts(contexts, max_nodes)
@@ -214,6 +216,8 @@ class Store:
         self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64, *, live: bool = True
     ) -> list[list[Draft | None]]:
         """Return [static draft, live draft] for each context: every lookup of both tiers in one statement."""
+        if check_max_nodes(max_nodes) == 0:
+            return [[None, None] for _ in contexts]
         answered = True
         if time.monotonic() - self._checked > self._refresh_interval:  # also on cache hits: a new live tier
             answered = self._switch_version() is not None
@@ -371,3 +375,10 @@ class Store:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(" ".join(message.split()))  # one line: libpq's messages span several
+
+
+def check_max_nodes(max_nodes: int) -> int:
+    """Return `max_nodes` when it is a whole number (below 1: no draft, 0); raise CrestClientError otherwise."""
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, numbers.Integral):
+        raise CrestClientError(f"max_nodes must be a whole number, got {max_nodes!r}")
+    return max(0, int(max_nodes))
