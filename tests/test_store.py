@@ -247,8 +247,10 @@ def test_a_bad_connect_argument_is_a_clear_error(db_dsn: str, given: dict[str, A
         Store.connect(db_dsn, "demo", **given)
 
 
-def test_connect_takes_numpy_counts(db_dsn: str) -> None:
+def test_connect_takes_numpy_counts_and_a_refresh_interval_of_never(db_dsn: str) -> None:
     publish(db_dsn, "demo", ROWS)
+    with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=math.inf) as never:
+        assert never.draft([3, 4, 5]) is not None
     sizes: dict[str, Any] = {"cache_size": np.int64(8), "pool_size": np.int32(1)}  # counts from numpy arithmetic
     with Store.connect(db_dsn, "demo", timeout=2.0, **sizes) as handle:
         assert handle.draft([3, 4, 5]) is not None

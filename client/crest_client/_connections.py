@@ -52,15 +52,15 @@ def resolve_seconds(value: float | None, *, env: str, default: float, zero: bool
     return check_seconds(text, name=env, zero=zero) if text else default
 
 
-def check_seconds(value: float | str, *, name: str, zero: bool = True) -> float:
-    """Return `value` as seconds; raise CrestClientError unless it is a finite number > 0 (or 0 with `zero`)."""
+def check_seconds(value: float | str, *, name: str, zero: bool = True, most: float = MAX_SECONDS) -> float:
+    """Return `value` as seconds; raise CrestClientError unless it is > 0 (or 0 with `zero`) and at most `most`."""
     try:
         seconds = float(value)  # a string from the environment, or a number
     except (TypeError, ValueError):
         seconds = math.nan
-    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0)) and seconds <= MAX_SECONDS):
+    if not ((seconds > 0 or (zero and seconds == 0)) and seconds <= most):  # NaN fails both
         raise CrestClientError(
-            f"{name} must be a number of seconds {'>=' if zero else '>'} 0 and at most {MAX_SECONDS}, got {value!r}"
+            f"{name} must be a number of seconds {'>=' if zero else '>'} 0 and at most {most}, got {value!r}"
         )
     return seconds
 

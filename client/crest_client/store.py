@@ -17,6 +17,7 @@ goes on.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import threading
 import time
@@ -123,7 +124,7 @@ class Store:
         check_store_name(name)
         timeout = resolve_seconds(timeout, env=ENV_LOOKUP_TIMEOUT, default=LOOKUP_TIMEOUT, zero=False, arg="timeout")
         spin = resolve_seconds(spin, env=ENV_LOOKUP_SPIN, default=SPIN, arg="spin")
-        refresh_interval = check_seconds(refresh_interval, name="refresh_interval")
+        refresh_interval = check_seconds(refresh_interval, name="refresh_interval", most=math.inf)  # inf: never
         connect_timeout = check_seconds(connect_timeout, name="connect_timeout", zero=False)
         for what, count, least in (("cache_size", cache_size, 0), ("pool_size", pool_size, 1)):
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < least:
