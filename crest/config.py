@@ -75,9 +75,11 @@ DEFAULT_LEARN_WINDOW = 200_000  # learned tokens a live version is built from (t
 DEFAULT_LEARN_DENSE_WINDOW = 50_000  # recorded hidden states a live version's dense part holds (the most recent)
 DEFAULT_DENSE_PRECISION = "half"  # a dense part's vectors: halfvec (crest.db.dense.PRECISIONS; docs/benchmarks.md)
 
+DEFAULT_DRAFTER = "crest+prompt"  # the drafter of crest generate, crest serve and the vLLM proposer
 DEFAULT_REFRESH_INTERVAL = 10.0  # seconds between refreshes of the live tiers (crest serve, the vLLM proposer)
 DEFAULT_REPORT_INTERVAL = 60.0  # seconds between the vLLM proposer's lines on its drafts and lookups (0: none)
 
+DEFAULT_FEED_INTERVAL = 0.5  # seconds between polls of the learned log for other replicas' rows (recent tier)
 DEFAULT_REFRESH_MIN_TOKENS = 2048  # learned tokens a refresh waits for before it rebuilds a live tier
 
 
@@ -170,7 +172,7 @@ class VllmSettings:
     """How crest's vLLM proposer drafts: vLLM hands a proposer no options, so they come from `CREST_*` variables."""
 
     store: str | None = None  # CREST_STORE: the store drafted from and taught (None: prompt lookup only)
-    drafter: str = "crest+prompt"  # CREST_DRAFTER: crest, prompt, crest+prompt or a dense one (dense, crest+dense...)
+    drafter: str = DEFAULT_DRAFTER  # CREST_DRAFTER: crest, prompt, crest+prompt or a dense one (dense, crest+dense...)
     learn: bool = True  # CREST_LEARN: write finished requests to the store's learned log
     dsn: str | None = None  # CREST_DATABASE_URL: the writers' database (None: the SDK's default, under CREST_HOME)
     read_dsn: str | None = None  # CREST_READ_DATABASE_URL: where lookups read (None: the writers')
@@ -184,6 +186,8 @@ class VllmSettings:
     report_interval: float = (
         DEFAULT_REPORT_INTERVAL  # CREST_REPORT_INTERVAL: seconds between INFO lines on drafts and lookups (0: none)
     )
+    recent: bool = True  # CREST_RECENT: draft from the in-process recent tier (what the fleet served moments ago)
+    feed_interval: float = DEFAULT_FEED_INTERVAL  # CREST_FEED_INTERVAL: seconds between polls of the learned log
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -217,6 +221,8 @@ def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
     min_tokens = _number(env, "CREST_REFRESH_MIN_TOKENS", int, VllmSettings.refresh_min_tokens, least=0)
     window = _number(env, "CREST_LEARN_WINDOW", int, VllmSettings.learn_window, least=1)
     report = _number(env, "CREST_REPORT_INTERVAL", float, VllmSettings.report_interval, least=0)
+    recent = env.get("CREST_RECENT", "").strip()
+    feed = _number(env, "CREST_FEED_INTERVAL", float, VllmSettings.feed_interval, least=0)
     return VllmSettings(
         store=store,
         drafter=env.get("CREST_DRAFTER", "").strip().lower() or VllmSettings.drafter,
@@ -227,6 +233,8 @@ def vllm_settings(env: Mapping[str, str] | None = None) -> VllmSettings:
         refresh_min_tokens=min_tokens,
         learn_window=window,
         report_interval=report,
+        recent=parse_flag(recent, name="CREST_RECENT") if recent else VllmSettings.recent,
+        feed_interval=feed,
     )
 
 

@@ -36,7 +36,7 @@ from crest.learning.refresher import Refresher
 from crest.learning.requests import path_length, request_stats, served_tokens
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
-from crest.serving.learning import LearnOptions
+from crest.drafting.hub import LearnOptions
 from crest.serving.metrics import ServerMetrics
 from crest.serving.scheduler import Request, Scheduler
 from tests.fix_models import tiny_model
@@ -159,7 +159,10 @@ def test_a_second_server_drafts_the_first_ones_outputs_after_a_refresh(
         learner = first.learner("code")
         assert learner is not None and learner.flush(timeout=30)
         context = prompt + out[:6]
-        assert live_next(second, context) == []  # nothing live yet
+        with psycopg.connect(code_dsn) as conn:  # nothing live yet: no live tier at all, not a lookup that missed
+            live = conn.execute("SELECT count(*) FROM crest_stores WHERE name = 'code' AND tier = 'live'").fetchone()
+        assert live == (0,)
+        assert second.store("code").live is None and live_next(second, context) == []
         assert second.refresher is not None and second.refresher.refresh_once() == {"code": "published"}
         with psycopg.connect(code_dsn) as conn:
             params = conn.execute(
@@ -248,7 +251,7 @@ def test_refresh_failures_are_counted_and_said_once(caplog: pytest.LogCaptureFix
     seen: list[str] = []
     refresher = Refresher("postgresql://u@127.0.0.1:1/db?connect_timeout=1", lambda: ["code", "chat"],
                           on_result=seen.append)  # fmt: skip
-    caplog.set_level(logging.DEBUG, logger="crest.serving.learning")
+    caplog.set_level(logging.DEBUG, logger="crest.learning.refresher")
     assert refresher.refresh_once() == {"code": "failed", "chat": "failed"}
     assert refresher.refresh_once() == {"code": "failed", "chat": "failed"}
     assert seen == ["failed"] * 4 and refresher.counts["failed"] == 4

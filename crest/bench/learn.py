@@ -232,13 +232,13 @@ def learned_storage(dsn: str, store: str, rows: Sequence[Sequence[int]], *, prom
     import psycopg
 
     from crest.learning.journal import encode_tokens
-    from crest.serving.learning import server_source
+    from crest.drafting.hub import process_source
 
     tokens = sum(len(r) for r in rows)
     if not tokens:
         return {"tokens": 0, "rows": 0, "bytes_per_million_tokens": None}
     repeat = -(-_STORAGE_TOKENS // tokens)  # ceil: enough copies for page rounding not to matter
-    source = server_source()
+    source = process_source("serve")
     encoded = [(store, encode_tokens(r), len(r), min(prompt_tokens, len(r)), source) for r in rows if len(r)]
     with psycopg.connect(dsn) as conn:  # never committed: the temporary table is gone with the transaction
         conn.execute("CREATE TEMP TABLE crest_learned_probe (LIKE crest_learned INCLUDING ALL) ON COMMIT DROP")

@@ -13,7 +13,13 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Device, Dsn, Dtype, MaxDraftTokens, Model, OptionalStore, ReadDsn
-from crest.config import DEFAULT_LEARN_DENSE_WINDOW, DEFAULT_LEARN_WINDOW
+from crest.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_LEARN_DENSE_WINDOW,
+    DEFAULT_LEARN_WINDOW,
+    DEFAULT_REFRESH_INTERVAL,
+    DEFAULT_REFRESH_MIN_TOKENS,
+)
 
 
 def serve(
@@ -21,7 +27,7 @@ def serve(
     store: OptionalStore = None,
     drafter: Annotated[
         str, typer.Option(envvar="CREST_DRAFTER", help="Default drafter (per request: drafter); see `crest drafters`.")
-    ] = "crest+prompt",
+    ] = DEFAULT_DRAFTER,
     host: Annotated[str, typer.Option(envvar="CREST_HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="CREST_PORT", help="Port to listen on.")] = 8000,
     max_batch: Annotated[int, typer.Option(help="Requests decoded together at most (rows of a step).")] = 8,
@@ -52,14 +58,14 @@ def serve(
     refresh_interval: Annotated[
         float,
         typer.Option(envvar="CREST_REFRESH_INTERVAL", help="Seconds between live-tier refreshes (0: never, here)."),
-    ] = 10.0,
+    ] = DEFAULT_REFRESH_INTERVAL,
     refresh_min_tokens: Annotated[
         int,
         typer.Option(envvar="CREST_REFRESH_MIN_TOKENS", help="New learned tokens a refresh waits for."),
-    ] = 2048,
+    ] = DEFAULT_REFRESH_MIN_TOKENS,
 ) -> None:
     """Serve the OpenAI API (completions, chat completions) with continuous batching and store drafts."""
-    from crest.serving.learning import LearnOptions
+    from crest.drafting.hub import LearnOptions
     from crest.serving.server import ServeOptions
     from crest.serving.server import serve as serve_forever
 

@@ -4,13 +4,12 @@ from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.drafters.dense import DenseDrafter
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.registry import NAMES, check_drafter, close_drafter, make_drafter, open_drafter
+from crest.drafters.registry import check_drafter, close_drafter, crest_names, make_drafter, open_drafter
 from crest.drafters.store import PendingStore, StoreDrafter, open_store
 from crest.drafters.suffix_array import RestDrafter, RestIndex
 from crest.drafters.trie import build_draft, match_path, merge_drafts, score_draft
 
 __all__ = [
-    "NAMES",
     "DenseDrafter",
     "Drafter",
     "MergedDrafter",
@@ -23,6 +22,7 @@ __all__ = [
     "build_draft",
     "check_drafter",
     "close_drafter",
+    "crest_names",
     "make_drafter",
     "match_path",
     "merge_drafts",

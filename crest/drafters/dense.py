@@ -145,6 +145,7 @@ register(
         lambda parts: _hybrid(parts, prompt=False),
         runs=HIDDEN_PLACES,
         summary="the store's tree merged with its dense part's",
+        fallback="crest",
     )
 )
 register(
@@ -154,5 +155,6 @@ register(
         lambda parts: _hybrid(parts, prompt=True),
         runs=HIDDEN_PLACES,
         summary="the store's tree merged with its dense part's and prompt lookup",
+        fallback="crest+prompt",
     )
 )

@@ -3,7 +3,8 @@
 Each row drafts through its own drafter (a prompt drafter and a merged drafter keep per-request state), but the
 store part of every row reads from a `StoreLease`: before the rows draft, `prefetch` asks each shared
 `crest_client.Store` for the contexts of all rows that use it in one `draft_many_parts` round trip (static and
-live tiers together), and each lease hands its row's answer to the row's drafter. A store or database error
+live tiers together), and each lease hands its row's answer to the row's drafter. A lease also carries the
+store's in-process recent tier, which needs no round trip. A store or database error
 costs those rows their store drafts only; a store whose database was down at start (a `PendingStore`) drafts
 nothing until it connects. `crest serve`'s scheduler and the vLLM proposer both draft this way.
 """
@@ -24,8 +25,9 @@ log = logging.getLogger(__name__)
 class StoreLease:
     """One row's view of a shared store: the batch's prefetched answer for this row's context, else a lookup."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, *, recent: Any = None) -> None:
         self.store = store
+        self.recent = recent  # the store's in-process recent tier (`crest.drafters.recent.RecentIndex`), or None
         self._ready: tuple[int, list[Draft | None]] | None = None  # (context length, prefetched [static, live])
 
     @property

@@ -29,6 +29,7 @@ from crest.drafters.suffix_array import RestDrafter, RestIndex, check_rest_index
 from crest.errors import ConfigError
 
 WHERE = ("generate", "serve", "bench", "vllm")  # the places a drafter may run
+_OWN = "crest."  # the package prefix of the modules whose kinds are crest's own (`crest_names`)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Kind:
     build: Callable[[dict[str, Any]], Drafter]  # {need: opened part} -> drafter
     runs: frozenset[str] = frozenset(WHERE)  # where it may run: generate, serve (per request), bench, vllm
     summary: str = ""  # one line for --help
+    fallback: str = "none"  # the kind that drafts instead when a part it needs cannot be used (`usable_kind`)
 
 
 NEEDS = {  # what each part is, as an option that gives it
@@ -67,9 +69,31 @@ def names(where: str | None = None) -> tuple[str, ...]:
     return tuple(name for name, kind in _KINDS.items() if where is None or where in kind.runs)
 
 
+def crest_names(where: str | None = None) -> tuple[str, ...]:
+    """Return the drafter names crest itself registers, in registration order: `names` less those registered from
+    outside crest (a plugin's, a test's toy kind).
+
+    A kind is crest's when its builder is defined in a crest module: here, or in a kind's own module (the dense
+    kinds register from `crest.drafters.dense`, which `crest.drafters` imports before anyone can call this).
+    """
+    return tuple(name for name in names(where) if _KINDS[name].build.__module__.startswith(_OWN))
+
+
 def kind_of(name: str) -> Kind:
     """Return the registered kind called `name` (case and spaces ignored; ConfigError if there is none)."""
     return _kind(name)[1]
+
+
+def usable_kind(name: str, missing: set[str] | frozenset[str]) -> str:
+    """Return the kind that drafts for `name` when the parts in `missing` cannot be used (its fallbacks, in turn)."""
+    key, kind = _kind(name)
+    seen = {key}
+    while missing & set(kind.needs):
+        key, kind = _kind(kind.fallback)
+        if key in seen:
+            raise ConfigError(f"drafter {name!r}: its fallbacks loop at {key!r}")
+        seen.add(key)
+    return key
 
 
 def describe(where: str | None = None) -> str:
@@ -96,10 +120,9 @@ register(
         ("store",),
         lambda parts: MergedDrafter(StoreDrafter(parts["store"]), PromptDrafter()),
         summary="the store's tree merged with prompt lookup",
+        fallback="prompt",
     )
 )
-
-NAMES = names()  # every drafter registered by crest itself
 
 
 def check_drafter(

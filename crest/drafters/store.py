@@ -8,6 +8,8 @@ from the store once the database answers. A database that answers but has no suc
 with another tokenizer, is an error at once. When the store has a live tier (trees built from what it
 learned from served requests), one lookup returns both tiers' trees and the drafter merges them, each part
 weighted by how often its drafts prove right (`MergedDrafter`); without one it drafts the static tree alone.
+A store handed over with a recent tier (a `StoreLease`'s `recent`: what this process and its replicas served
+moments ago, matched at any depth in memory) merges that tree in as a third part, "recent".
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from crest_client.hosts import resolve_read_dsn
 from crest_client.names import check_store_name
 
 from crest.drafters.merged import MergedDrafter
+from crest.drafters.recent import RecentDrafter
 from crest.errors import CrestClientError
 
 log = logging.getLogger(__name__)
@@ -47,24 +50,44 @@ class StoreDrafter:
         self.failures = 0
         self._parts: tuple[int, int, list[Draft | None]] | None = None  # (context length, last token, parts)
         self._tiers = MergedDrafter(_Tier(self, 0), _Tier(self, 1))
+        recent = getattr(store, "recent", None)
+        self._recent = RecentDrafter(recent) if recent is not None else None
+        # the store's tiers (or its static tree alone) merged with the recent tier, each scaled by its own record
+        self._with_recent = MergedDrafter(_Stored(self), self._recent) if self._recent is not None else None
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
-        """Return the store's tree for the context (static and live merged; at most `max_nodes` nodes), or None."""
+        """Return the store's tree for the context (its tiers merged; at most `max_nodes` nodes), or None."""
         if max_nodes <= 0:
             return None
+        if self._with_recent is not None:
+            return self._with_recent.draft(context_ids, max_nodes)
+        return self.draft_stored(context_ids, max_nodes)
+
+    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+        """Return the static, live and recent trees behind `tree`, drafted for a context of this length."""
+        if tree is None or len(tree) == 0:
+            return {}
+        stored: Draft | None = tree
+        found: dict[str, Draft] = {}
+        if self._with_recent is not None:
+            outer = self._with_recent.last_trees(context_length) or [None, None]
+            stored = outer[0]
+            if outer[1] is not None and len(outer[1]):
+                found["recent"] = outer[1]
+            if stored is None or len(stored) == 0:
+                return found
+        merged = self._tiers.last_trees(context_length)
+        tiers = merged if merged is not None else [stored, None]  # no live tier: the static tree itself
+        found.update({name: t for name, t in zip(TIERS, tiers, strict=True) if t is not None and len(t)})
+        return found
+
+    def draft_stored(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return the database's tree for the context: static and live merged, or the static tree alone."""
         if getattr(self.store, "live", None) is None:
             tree = self._call(lambda: self.store.draft(context_ids, max_nodes=max_nodes))
             if getattr(self.store, "live", None) is None:  # still none after the lookup's version check
                 return _usable(tree, max_nodes)
         return self._tiers.draft(context_ids, max_nodes)
-
-    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
-        """Return the static and live trees behind `tree`, what this drafter drafted for a context of this length."""
-        if tree is None or len(tree) == 0:
-            return {}
-        merged = self._tiers.last_trees(context_length)
-        tiers = merged if merged is not None else [tree, None]  # no live tier: the static tree itself
-        return {name: t for name, t in zip(TIERS, tiers, strict=True) if t is not None and len(t)}
 
     def parts(self, context_ids: Sequence[int], max_nodes: int) -> list[Draft | None]:
         """Return [static, live] trees for the context, looked up once per context."""
@@ -82,6 +105,17 @@ class StoreDrafter:
             level = logging.WARNING if self.failures == 1 else logging.DEBUG
             log.log(level, "store draft failed, no draft this step (logged once): %s", exc)
             return None
+
+
+class _Stored:
+    """The database's part of a `StoreDrafter` (static and live), as a drafter for the merge with the recent tier."""
+
+    def __init__(self, owner: StoreDrafter) -> None:
+        self.owner = owner
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return the store's tiers' tree for the context, or None."""
+        return self.owner.draft_stored(context_ids, max_nodes)
 
 
 class _Tier:

@@ -120,3 +120,13 @@ def tokenizer_fingerprint(vllm_config: Any) -> str | None:
     except Exception as exc:
         log.warning("cannot read the tokenizer of %s (%s): the store's tokenizer is not checked", path, exc)
         return None
+
+
+def tensor_parallel_rank() -> int:
+    """Return this worker's tensor-parallel rank (0 when vLLM's parallel state is not set up: one worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not inside vLLM, or its groups are not made yet: the only worker
+        return 0

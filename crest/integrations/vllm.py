@@ -4,11 +4,14 @@ vLLM builds the proposer once per worker with its `VllmConfig` and, after every 
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`: for each row of the batch, the tokens that step
 produced (accepted draft tokens and the bonus token; none for a prompt still being read in chunks), the row's
 length and its tokens so far; it wants back one list of at most `num_speculative_tokens` draft ids per row,
-which it verifies as a chain. The proposer keeps a drafter per request (`make_drafter` on a `StoreLease` over
-ONE store opened for the worker), asks the store once per step for every row (`prefetch`), hands each row the
+which it verifies as a chain. The proposer keeps a drafter per request (the `DraftHub`'s, `crest.drafting`: the
+composition root it shares with `crest serve`, over ONE store opened for the worker, with its in-process recent
+tier), asks the store once per step for every row (`prefetch`), hands each row the
 best path of its merged tree (`best_chain`), and lets one `DraftPolicy` size the batch's chains from what vLLM's
 steps cost and how much of the last chains was accepted (the row grew by accepted + 1 tokens). Finished requests
-teach the store (`Learner`), so the live tier grows from vLLM's traffic, shared by every replica on the database.
+teach the store through the hub: this worker's recent tier drafts from them at the next step, every replica's
+within about a second (the learned log, polled), and the live tier grows from them. Only tensor-parallel rank 0
+learns; a request vLLM preempts is parked, not learned, until it is seen again or stays gone.
 The dense drafters (`dense`, `crest+dense`, `crest+dense+prompt`) also open the store's dense part: each row's
 query is the hidden state of the logits row that gave its last token, which vLLM's runner computed for the step
 (`crest.integrations._vllm_runner`: no extra forward), and all rows' states go to the dense part in one statement
@@ -25,8 +28,6 @@ accepted and how the store's lookups went (`crest.integrations._report`).
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,23 +35,28 @@ from typing import Any
 
 import numpy as np
 from crest_client.draft import Draft, empty_draft
-from crest_client.learner import Learner
 
 from crest.config import VllmSettings, vllm_settings
 from crest.decoding.hidden import feed_hidden, model_fingerprint
 from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
 from crest.decoding.sizing import CostModel
-from crest.drafters.dense_index import open_dense
 from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.drafters.lease import StoreLease, prefetch
-from crest.drafters.registry import check_drafter, kind_of, make_drafter
-from crest.drafters.store import open_store
+from crest.drafters.recent import RecentOptions
+from crest.drafters.registry import check_drafter, kind_of, usable_kind
+from crest.drafting.hub import DraftHub, LearnOptions, process_source
 from crest.errors import ConfigError
 from crest.integrations._report import DraftReport, log_with_vllm
-from crest.integrations._vllm_runner import RunnerBatch, caller_batch, stop_at, tokenizer_fingerprint, vocab_size
+from crest.integrations._vllm_runner import (
+    RunnerBatch,
+    caller_batch,
+    stop_at,
+    tensor_parallel_rank,
+    tokenizer_fingerprint,
+    vocab_size,
+)
 from crest.integrations.chain import best_chain
-from crest.learning.refresher import Refresher
-from crest.learning.requests import served_tokens, store_max_n, tally_parts
+from crest.learning.requests import row_stats, tally_parts
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,7 @@ PRIOR_COST = CostModel([1, 8, 64, 512], [0.100, 0.105, 0.150, 0.500])
 
 MAX_GAP = 5.0  # seconds between steps beyond which the gap was idleness, not a step's cost
 IDLE_LEARN = 5.0  # seconds without a step after which every request still held has finished: learn it
-WITHOUT_DENSE = {"dense": "none", "crest+dense": "crest", "crest+dense+prompt": "crest+prompt"}
+PARKED = 1024  # requests vLLM stopped running (preempted or aborted) kept unlearned until seen again or idle
 
 
 @dataclass
@@ -101,17 +107,20 @@ class CrestProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = settings or vllm_settings()
+        self.rank = tensor_parallel_rank()
+        self.hub = self._hub(vllm_config)
         self.store: Any = None
         self.dense: Any = None  # the store's dense part (DenseIndex) when the drafter is a dense one
         self._model_checked = False  # dense drafts only once load_model found the served model is the part's
-        self.name = self._open(vllm_config)
+        self.name = self._open()
         vocab = vocab_size(vllm_config)
         # vLLM packs the rows' tokens into one forward: a step costs the sum of its rows' tokens, not padded rows
         self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab, packed=True)
-        self.learner = self._learner()
-        self.refresher = self._refresher()
-        self.max_n = store_max_n(self.store) if self.store is not None else 0
+        self.learner = self.hub.learner(self.settings.store) if self.store is not None and self.settings.store else None
+        self.refresher = self.hub.refresher
+        self.hub.start()
         self._rows: dict[str, _Row] = {}
+        self._parked: dict[str, _Row] = {}  # rows vLLM stopped running: learned once they stay gone
         self._last_end: float | None = None
         self._failures = 0
         stats = self._store_stats if self.store is not None else None
@@ -127,8 +136,10 @@ class CrestProposer:
             )
             self._watcher.start()
         refresh = f"every {self.settings.refresh_interval:g} s" if self.refresher is not None else "elsewhere"
-        log.info("crest proposer: drafter %s, store %s, K=%d, learning %s, live tier refreshed %s", self.name,
-                 self.settings.store, self.k, "on" if self.learner is not None else "off", refresh)  # fmt: skip
+        recent = "on" if self.settings.store and self.hub.recent(self.settings.store) is not None else "off"
+        log.info("crest proposer: drafter %s, store %s, K=%d, learning %s (rank %d), recent tier %s, live tier "
+                 "refreshed %s", self.name, self.settings.store, self.k, "on" if self.learner is not None else "off",
+                 self.rank, recent, refresh)  # fmt: skip
 
     def load_model(self, model: Any = None, *args: Any, **kwargs: Any) -> None:
         """Load nothing (vLLM's runners call this with the target model); check a dense part was built with it.
@@ -172,15 +183,11 @@ class CrestProposer:
         if self._watcher is not None:
             self._watcher.join(timeout=10)
         for key in list(self._rows):
-            self._drop(key)
-        if self.learner is not None:
-            self.learner.close()
-        if self.refresher is not None:
-            self.refresher.stop()
-        if self.store is not None and hasattr(self.store, "close"):
-            self.store.close()
-        if self.dense is not None:
-            self.dense.close()
+            self._park(key)
+        for row in self._parked.values():
+            self._learn_row(row)
+        self._parked.clear()
+        self.hub.close()
 
     def _propose(
         self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: RunnerBatch | None
@@ -256,16 +263,17 @@ class CrestProposer:
     def _row(self, key: str, tokens: np.ndarray, prompt_length: int) -> _Row:
         """Return the request's state, made on its first step (or afresh when the row holds another request)."""
         row = self._rows.get(key)
+        if row is None and key in self._parked:  # preempted and resumed: the same request, learned once
+            row = self._rows[key] = self._parked.pop(key)
         head = min(8, len(tokens), len(row.tokens)) if row is not None else 0
         if row is not None and row.tokens[:head] != tokens[:head].tolist():
-            self._drop(key)  # the same key, another request (keys by position when no ids are found)
+            self._rows.pop(key)  # the same key, another request (keys by position when no ids are found)
+            self._learn_row(row)
             row = None
         if row is None:
-            needs = kind_of(self.name).needs
-            lease = StoreLease(self.store) if self.store is not None and "store" in needs else None
-            dense = DenseLease(self.dense) if self.dense is not None and "dense_index" in needs else None
-            drafter = make_drafter(self.name, store=lease, dense_index=dense)
-            row = _Row(drafter, lease, dense, int(prompt_length), tokens.tolist())
+            parts = self.hub.row_parts(self.name, self.settings.store if self.store is not None else None,
+                                       strict=False)  # fmt: skip
+            row = _Row(parts.drafter, parts.lease, parts.dense, int(prompt_length), tokens.tolist())
             self._rows[key] = row
         return row
 
@@ -291,37 +299,43 @@ class CrestProposer:
         if end is None:
             return False
         if not row.learned:
-            self._learn(row, output[:end])
+            self._learn_row(row, output[:end])
         return True
 
     def _learn_when_idle(self, idle: float) -> None:
         """Learn every request still held once no step has run for `idle` seconds (vLLM finished them)."""
         while not self._stop.wait(min(0.5, idle / 2)):
             with self._lock:
-                if self._rows and time.monotonic() - self._last_call >= idle:
-                    for row in self._rows.values():  # kept: a request that steps again is not learned twice
-                        if not row.learned and row.prompt_length >= 0:
-                            self._learn(row, row.tokens[row.prompt_length :])
+                if (self._rows or self._parked) and time.monotonic() - self._last_call >= idle:
+                    for row in [*self._rows.values(), *self._parked.values()]:  # kept: stepping again learns nothing
+                        self._learn_row(row)
+                    self._parked.clear()
 
     def _forget(self, present: set[str]) -> None:
-        """Drop the state of requests vLLM no longer runs (finished, aborted or preempted), teaching the store."""
+        """Park the state of requests vLLM no longer runs: finished ones were learned, a preempted one may resume."""
         for key in [k for k in self._rows if k not in present]:
-            self._drop(key)
+            self._park(key)
 
-    def _drop(self, key: str) -> None:
+    def _park(self, key: str) -> None:
         row = self._rows.pop(key)
-        if not row.learned and row.prompt_length >= 0:
-            self._learn(row, row.tokens[row.prompt_length :])
-
-    def _learn(self, row: _Row, output: list[int]) -> None:
-        """Queue the request's tokens and figures in the store's learned log (never blocks, never raises)."""
-        row.learned = True
-        if self.learner is None or not output:
+        if row.learned or row.prompt_length < 0:
             return
-        ids, tail = served_tokens(row.tokens[: row.prompt_length], output, max_n=self.max_n)
-        stats = {"steps": row.steps, "new_tokens": len(output), "draft_tokens": row.drafted}
-        stats |= {"accepted_tokens": row.accepted, **{f"accepted_{k}": v for k, v in row.parts.items()}}
-        self.learner.learn(ids, prompt_tokens=tail, stats=stats)
+        self._parked[key] = row
+        while len(self._parked) > PARKED:  # the oldest parked stays gone: it was aborted, learn what it served
+            self._learn_row(self._parked.pop(next(iter(self._parked))))
+
+    def _learn_row(self, row: _Row, output: list[int] | None = None) -> None:
+        """Teach the store the request's tokens and figures once (never blocks, never raises); rank 0 only."""
+        if row.learned or row.prompt_length < 0:
+            return
+        row.learned = True
+        output = row.tokens[row.prompt_length :] if output is None else output
+        name = self.settings.store
+        if self.store is None or name is None or not output or self.rank != 0:
+            return
+        stats = row_stats(steps=row.steps, new_tokens=len(output), drafted=row.drafted, accepted=row.accepted,
+                          parts=row.parts)  # fmt: skip
+        self.hub.learn(name, row.tokens[: row.prompt_length], output, stats=stats)
 
     def _observe_cost(self, start: float, rows: int, batch: RunnerBatch | None) -> None:
         """Tell the policy what the step that just ran cost: the time since the last call returned."""
@@ -331,55 +345,46 @@ class CrestProposer:
         if 0 < seconds < MAX_GAP and batch.scheduled <= rows * (self.k + 1):  # decoding only: no prompt read
             self.policy.observe_cost(batch.scheduled, seconds)
 
-    def _open(self, vllm_config: Any) -> str:
+    def _hub(self, vllm_config: Any) -> DraftHub:
+        """Return the drafting hub of this worker: its store, recent tier, learner (rank 0) and refresher."""
+        settings = self.settings
+        learning = LearnOptions(
+            record=settings.learn and self.rank == 0, window=settings.learn_window,
+            refresh_interval=settings.refresh_interval if self.rank == 0 else 0.0,
+            refresh_min_tokens=settings.refresh_min_tokens, recent=RecentOptions() if settings.recent else None,
+            feed_interval=settings.feed_interval,
+        )  # fmt: skip
+        return DraftHub(
+            dsn=settings.dsn, read_dsn=settings.read_dsn, fingerprint=tokenizer_fingerprint(vllm_config),
+            learning=learning, source=process_source("vllm"),
+        )  # fmt: skip
+
+    def _open(self) -> str:
         """Open the store (and its dense part) and return the drafter name to use; a part that cannot be used is
-        left out."""
+        left out and the kind's fallback drafts (the registry's `usable_kind`)."""
         name, store = self.settings.drafter, self.settings.store
         check_drafter(name, where="vllm", store=store or "unset")  # a bad name fails vLLM's start, clearly
-        if "dense_index" in kind_of(name).needs:
-            if store is None:
-                raise ConfigError(f"CREST_DRAFTER={name} drafts from a store's dense part: set CREST_STORE")
+        needs = kind_of(name).needs
+        if store is None and needs:
+            fallback = usable_kind(name, {"store", "dense_index"})
+            if fallback == "none":
+                raise ConfigError(f"CREST_DRAFTER={name} drafts from a store: set CREST_STORE")
+            log.warning("CREST_STORE is not set: drafting with %s", fallback)
+            return fallback
+        if store is None:
+            return name
+        try:
+            self.store = self.hub.store(store)
+        except Exception as exc:  # a missing store or another tokenizer's: vLLM serves on without it
+            rest = usable_kind(name, {"store", "dense_index"})
+            log.warning("store %r cannot be used (%s: %s): drafting with %s", store, type(exc).__name__, exc,
+                        "nothing" if rest == "none" else rest)  # fmt: skip
+            return rest
+        if "dense_index" in needs:
             try:
-                fingerprint = tokenizer_fingerprint(vllm_config)
-                self.dense = open_dense(store, dsn=self.settings.read_dsn, fingerprint=fingerprint)
+                self.dense = self.hub.dense_index(store)
             except Exception as exc:  # no dense part, or another tokenizer's: draft without it
-                name = WITHOUT_DENSE[name]
+                name = usable_kind(name, {"dense_index"})
                 log.warning("store %r's dense part cannot be used (%s: %s): drafting with %s", store,
                             type(exc).__name__, exc, name)  # fmt: skip
-        if "store" not in kind_of(name).needs:
-            return name
-        if store is None:
-            if name != "crest+prompt":
-                raise ConfigError(f"CREST_DRAFTER={name} drafts from a store: set CREST_STORE")
-            log.warning("CREST_STORE is not set: drafting with prompt lookup only")
-            return "prompt"
-        try:
-            fingerprint = tokenizer_fingerprint(vllm_config)
-            self.store = open_store(store, dsn=self.settings.read_dsn, fingerprint=fingerprint)
-        except Exception as exc:  # a missing store or another tokenizer's: vLLM serves on without it
-            rest = "prompt" if name == "crest+prompt" else "none"
-            log.warning("store %r cannot be used (%s: %s): drafting with %s", store, type(exc).__name__, exc,
-                        "prompt lookup only" if rest == "prompt" else "nothing")  # fmt: skip
-            return rest
         return name
-
-    def _learner(self) -> Learner | None:
-        if not self.settings.learn or self.store is None or self.settings.store is None:
-            return None
-        source = f"vllm@{socket.gethostname()}:{os.getpid()}"
-        return Learner(self.settings.dsn, self.settings.store, source=source)
-
-    def _refresher(self) -> Refresher | None:
-        """Start rebuilding the live tier every CREST_REFRESH_INTERVAL seconds from what every replica learned."""
-        name, every = self.settings.store, self.settings.refresh_interval
-        if self.store is None or name is None or every <= 0:
-            return None
-        refresher = Refresher(
-            self.settings.dsn,
-            lambda: [name],
-            interval=every,
-            window=self.settings.learn_window,
-            min_new_tokens=self.settings.refresh_min_tokens,
-        )
-        refresher.start()
-        return refresher

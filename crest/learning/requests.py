@@ -1,24 +1,23 @@
-"""What a finished request teaches its store: its tokens, and how its drafts went, part by part.
-
-A finished request (not cancelled, not failed) teaches its store the prompt's last max-n tokens (the context its
-first output tokens followed) and its output (`served_tokens`), written by the store's
-`crest_client.learner.Learner` off the decoding path (`record_outcome`). Its learned row also says how it went
-(`request_stats`): target forwards, new tokens, verified and accepted draft nodes, and how many accepted tokens
-each named part's tree held before the parts were merged (`tally_parts`, once per step, from the trees the
-drafter reports through `drafted_parts`: the static tier, the live tier, the prompt, or any part a new drafter
-names). `crest serve` and the vLLM proposer both call these.
+"""What a finished request teaches its store: its tokens, and how its drafts went, part by part. A finished request
+(not cancelled, not failed) teaches its store the prompt's last max-n tokens (the context its first output tokens
+followed) and its output (`served_tokens`), written by the store's `crest_client.learner.Learner` off the decoding
+path (`record_outcome`, through `crest.drafting.DraftHub.learn`). Its learned row also says how it went
+(`request_stats`): target forwards, new tokens, verified and accepted draft nodes, and how many accepted tokens each
+named part's tree held before the parts were merged (`tally_parts`, once per step, from the trees the drafter
+reports through `drafted_parts`: the static tier, the live tier, the prompt, or any part a new drafter names).
+`crest serve` and the vLLM proposer both call these.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from crest_client.draft import Draft
-from crest_client.learner import DenseRows, Learner
+from crest_client.learner import DenseRows
 
 from crest.config import IngestOptions
 from crest.decoding.drafter import drafted_parts
@@ -62,20 +61,37 @@ def tally_parts(
         log.debug("counting accepted tokens per part failed: %s", exc)
 
 
-def request_stats(outcome: Any) -> dict[str, int]:
-    """Return a finished request's figures for its learned row: `crest_client.learner.STATS`, `accepted_<part>`."""
-    result, parts = outcome.result, getattr(outcome, "accepted_parts", {})
+def row_stats(*, steps: int, new_tokens: int, drafted: int, accepted: int, parts: Mapping[str, int]) -> dict[str, int]:
+    """Return a request's figures as its learned row keeps them: `crest_client.learner.STATS`, `accepted_<part>`."""
     return {
-        "steps": int(result.forward_passes),
-        "new_tokens": len(result.output_token_ids),
-        "draft_tokens": int(outcome.accepted_draft_tokens + outcome.rejected_draft_tokens),
-        "accepted_tokens": int(outcome.accepted_draft_tokens),
+        "steps": int(steps),
+        "new_tokens": int(new_tokens),
+        "draft_tokens": int(drafted),
+        "accepted_tokens": int(accepted),
         **{f"accepted_{name}": int(count) for name, count in sorted(parts.items())},
     }
 
 
-def record_outcome(learner: Learner, future: Future[Any], *, max_n: int) -> None:
-    """Queue a finished request's tokens and figures into its store's learner; a cancelled or failed one: nothing."""
+def request_stats(outcome: Any) -> dict[str, int]:
+    """Return a finished scheduler request's figures for its learned row (`row_stats`)."""
+    result = outcome.result
+    return row_stats(
+        steps=result.forward_passes, new_tokens=len(result.output_token_ids),
+        drafted=outcome.accepted_draft_tokens + outcome.rejected_draft_tokens,
+        accepted=outcome.accepted_draft_tokens, parts=getattr(outcome, "accepted_parts", {}),
+    )  # fmt: skip
+
+
+class Teach(Protocol):
+    """How a finished request teaches its store (`crest.drafting.DraftHub.learn` bound to the store's name)."""
+
+    def __call__(
+        self, prompt: Sequence[int], output: Sequence[int], *, stats: Mapping[str, int], dense: DenseRows | None
+    ) -> None: ...
+
+
+def record_outcome(teach: Teach, future: Future[Any], *, max_n: int) -> None:
+    """Teach a finished request's tokens and figures to its store; a cancelled or failed one: nothing."""
     if future.cancelled() or future.exception() is not None:
         return
     outcome = future.result()
@@ -84,7 +100,7 @@ def record_outcome(learner: Learner, future: Future[Any], *, max_n: int) -> None
     result = outcome.result
     ids, prompt_tokens = served_tokens(result.prompt_token_ids, result.output_token_ids, max_n=max_n)
     dense = served_dense(outcome, cut=len(result.prompt_token_ids) - prompt_tokens, n_tokens=len(ids))
-    learner.learn(ids, prompt_tokens=prompt_tokens, stats=request_stats(outcome), dense=dense)
+    teach(result.prompt_token_ids, result.output_token_ids, stats=request_stats(outcome), dense=dense)
 
 
 def served_dense(outcome: Any, *, cut: int, n_tokens: int) -> DenseRows | None:

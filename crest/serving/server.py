@@ -18,7 +18,7 @@ from typing import Any
 from crest.drafters.registry import check_drafter, kind_of
 from crest.drafters.store import check_store
 from crest.errors import ConfigError
-from crest.serving.learning import LearnOptions
+from crest.drafting.hub import LearnOptions
 
 
 @dataclass(frozen=True)

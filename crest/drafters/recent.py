@@ -1,0 +1,237 @@
+"""The recent tier: responses a store served lately, held in memory and matched at any depth, draftable at once.
+
+A `RecentIndex` holds the last `capacity` learned tokens of one store (each learned row a document: its prompt's
+tail, then its output) and answers "where did the context's suffix occur before, and what followed" in tens of
+microseconds, so a response served a moment ago drafts the next request's step, on this replica as soon as the
+learner is handed it and on every other replica as soon as the learned log is polled (`crest.drafting.feed`).
+Positions are found by a hash of the last `key` tokens at two key lengths (a short one that finds any match and
+a long one that finds deep matches among many shallow ones), each an LSM pair: a sorted block searched by
+bisection and a small unsorted tail appended to by `add` and folded in by `compact`. The candidates' true match
+depth is then measured backwards (up to `max_depth` tokens); the deepest ones' continuations, as long as the match
+is deep (suffix decoding's rule: a deep match earns a long draft), make the tree. Thread-safe: one lock, held for
+lookups and appends, never across a sort.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from crest_client.draft import Draft
+
+from crest.drafters.trie import build_draft
+from crest.errors import ConfigError
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # the hash's multiplier (odd: a bijection per step)
+_SEP = -1  # between documents: matches and continuations never cross it
+
+
+@dataclass(frozen=True)
+class RecentOptions:
+    """How large the recent tier is and how it drafts."""
+
+    capacity: int = 1 << 20  # tokens held (the oldest are evicted)
+    keys: tuple[int, int] = (2, 8)  # the two key lengths a position is indexed under (short, deep)
+    candidates: int = 64  # most recent positions of a key measured for depth
+    max_depth: int = 64  # deepest match measured, in tokens
+    matches: int = 8  # continuations of the deepest matches the tree is built from
+    max_continuation: int = 32  # longest continuation drafted (a match of depth d drafts at most d + 2)
+
+    def check(self) -> RecentOptions:
+        """Return the options, or raise ConfigError for a value that cannot work."""
+        short, deep = self.keys
+        if not (1 <= short < deep <= self.max_depth) or self.capacity < 1024:
+            raise ConfigError("the recent tier needs 1 <= short key < deep key <= max depth and capacity >= 1024")
+        if min(self.candidates, self.matches, self.max_continuation) < 1:
+            raise ConfigError("the recent tier needs candidates, matches and max continuation >= 1")
+        return self
+
+
+class _Level:
+    """Positions by the hash of the `k` tokens ending there: a sorted block, and a dict of those appended since."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.sorted_h = np.zeros(0, dtype=np.uint64)
+        self.sorted_p = np.zeros(0, dtype=np.int64)  # absolute positions, ascending within one hash
+        self.tail: dict[int, list[int]] = {}  # hash -> positions appended since the last fold, ascending
+        self.folding: dict[int, list[int]] = {}  # the tail being folded into the sorted block (older than `tail`)
+        self.tail_n = 0
+
+    def append(self, hashes: np.ndarray, positions: np.ndarray) -> None:
+        tail = self.tail
+        for h, p in zip(hashes.tolist(), positions.tolist(), strict=True):
+            found = tail.get(h)
+            if found is None:
+                tail[h] = [p]
+            else:
+                found.append(p)
+        self.tail_n += hashes.shape[0]
+
+    def find(self, h: int, limit: int) -> np.ndarray:
+        """Return the (at most `limit`) most recent positions indexed under hash `h`, ascending."""
+        key = np.uint64(h)
+        lo = np.searchsorted(self.sorted_h, key, side="left")
+        hi = np.searchsorted(self.sorted_h, key, side="right")
+        old = self.sorted_p[max(lo, hi - limit) : hi]
+        new = self.folding.get(h, []) + self.tail.get(h, [])
+        if not new:
+            return old
+        return np.concatenate([old, np.asarray(new[-limit:], dtype=np.int64)])[-limit:]
+
+    def start_fold(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Set the tail aside for folding (a fresh tail takes appends); return the sorted block and its pairs."""
+        self.folding, self.tail, self.tail_n = self.tail, {}, 0
+        hs = [h for h, ps in self.folding.items() for _ in ps]
+        ps = [p for ps in self.folding.values() for p in ps]
+        return self.sorted_h, self.sorted_p, np.asarray(hs, dtype=np.uint64), np.asarray(ps, dtype=np.int64)
+
+
+def _hashes(tokens: np.ndarray, k: int) -> np.ndarray:
+    """Return the hash of every k tokens ending at positions k-1.. of `tokens` [N] (int64) as uint64 [N - k + 1]."""
+    n = tokens.shape[0] - k + 1
+    if n <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    h = np.zeros(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(k):  # h = (((t0 * M) + t1) * M + t2) ...: order matters
+            h = h * _MIX + t[j : j + n]
+    return h
+
+
+class RecentIndex:
+    """One store's recently served documents, matched at any depth (see the module docstring)."""
+
+    def __init__(self, options: RecentOptions | None = None) -> None:
+        self.options = (options or RecentOptions()).check()
+        self._levels = [_Level(k) for k in self.options.keys]
+        self._buffer = np.full(4096, _SEP, dtype=np.int64)  # tokens of positions base .. base + size - 1
+        self._base = 0  # absolute position of buffer[0]
+        self._size = 0
+        self._lock = threading.Lock()
+        self.documents = 0
+
+    @property
+    def n_tokens(self) -> int:
+        """Return how many tokens (separators included) the index holds."""
+        return self._size
+
+    def add(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append one document (a learned row: prompt tail, then output); draftable from the next lookup on."""
+        doc = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if doc.shape[0] == 0:
+            return
+        fold = False
+        with self._lock:
+            start = self._base + self._size
+            self._grow(doc.shape[0] + 1)
+            at = self._size
+            self._buffer[at : at + doc.shape[0]] = doc
+            self._buffer[at + doc.shape[0]] = _SEP
+            self._size += doc.shape[0] + 1
+            for level in self._levels:
+                hashes = _hashes(doc, level.k)
+                level.append(hashes, start + level.k - 1 + np.arange(hashes.shape[0], dtype=np.int64))
+            self.documents += 1
+            fold = any(level.tail_n > max(65_536, level.sorted_h.shape[0] // 2) for level in self._levels)
+        if fold:
+            self.compact()
+
+    def compact(self) -> None:
+        """Fold the appended tails into the sorted blocks and evict what lies beyond the capacity."""
+        with self._lock:
+            if any(level.folding for level in self._levels):
+                return  # another thread folds
+            cutoff = self._base + max(0, self._size - self.options.capacity)
+            taken = [level.start_fold() for level in self._levels]
+        merged = []
+        for sh, sp, th, tp in taken:  # the sort runs outside the lock: lookups and appends go on
+            h, p = np.concatenate([sh, th]), np.concatenate([sp, tp])
+            keep = p >= cutoff
+            h, p = h[keep], p[keep]
+            order = np.argsort(h, kind="stable")  # positions stay ascending within a hash: block, then tail
+            merged.append((h[order], p[order]))
+        with self._lock:
+            for level, (h, p) in zip(self._levels, merged, strict=True):
+                level.sorted_h, level.sorted_p, level.folding = h, p, {}
+            drop = cutoff - self._base
+            if drop > 0:
+                self._buffer = self._buffer[drop:].copy()
+                self._base, self._size = cutoff, self._size - drop
+
+    def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
+        """Return the tree of what followed the deepest earlier matches of the context's suffix, or None."""
+        opts = self.options
+        if max_nodes <= 0 or len(context_ids) < opts.keys[0]:
+            return None
+        tail = np.asarray(context_ids[-opts.max_depth :], dtype=np.int64).reshape(-1)
+        with self._lock:
+            if not self._size:
+                return None
+            found = self._candidates(tail)
+            if found is None:
+                return None
+            depth, positions = found
+            length = min(opts.max_continuation, depth + 2)
+            at = positions[:, None] - self._base + 1 + np.arange(length)  # [M, L] buffer indexes
+            rows = np.where(at < self._size, self._buffer[np.minimum(at, self._size - 1)], _SEP)
+        if rows.shape[0] == 1 or (rows == rows[0]).all():  # one continuation (the usual case): a chain
+            return _chain(rows[0][:max_nodes], depth, weight=rows.shape[0])
+        tree = build_draft(rows, tree_size=max_nodes, n=depth)
+        return tree if len(tree) else None
+
+    def _candidates(self, tail: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """Return the deepest match depth and the most recent positions (absolute, at most `matches`) matching it."""
+        opts = self.options
+        for level in reversed(self._levels):  # the deep key first: it finds deep matches among many shallow ones
+            if tail.shape[0] < level.k:
+                continue
+            positions = level.find(int(_hashes(tail[-level.k :], level.k)[0]), opts.candidates)
+            positions = positions[positions >= self._base]
+            if not positions.shape[0]:
+                continue
+            d = tail.shape[0]
+            back = positions[:, None] - self._base - np.arange(d)  # [C, D] buffer indexes, backwards
+            same = (back >= 0) & (self._buffer[np.maximum(back, 0)] == tail[::-1][None, :])
+            depths = np.where(same.all(axis=1), d, np.argmin(same, axis=1))  # tokens matched backwards
+            best = int(depths.max())
+            if best < level.k:  # only hash collisions
+                continue
+            chosen = positions[depths == best][-opts.matches :][::-1]  # most recent first
+            return best, chosen
+        return None
+
+    def _grow(self, extra: int) -> None:
+        need = self._size + extra
+        if need > self._buffer.shape[0]:
+            grown = np.full(max(need, 2 * self._buffer.shape[0]), _SEP, dtype=np.int64)
+            grown[: self._size] = self._buffer[: self._size]
+            self._buffer = grown
+
+
+def _chain(row: np.ndarray, n: int, *, weight: int) -> Draft | None:
+    """Return the chain of `row`'s tokens before its first separator, each node of weight `weight`."""
+    ends = np.flatnonzero(row < 0)
+    tokens = row[: int(ends[0])] if ends.shape[0] else row
+    if not tokens.shape[0]:
+        return None
+    k = tokens.shape[0]
+    return Draft(tokens.copy(), np.arange(-1, k - 1, dtype=np.int32), np.full(k, weight, dtype=np.int64), n)
+
+
+class RecentDrafter:
+    """A drafter over a shared `RecentIndex` (the part named "recent")."""
+
+    def __init__(self, index: RecentIndex) -> None:
+        self.index = index
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return the recent tier's tree for the context, or None."""
+        return self.index.draft(context_ids, max_nodes)
+
+    def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
+        """Return the one part behind this drafter's tree: the recent tier."""
+        return {"recent": tree} if tree is not None and len(tree) else {}
