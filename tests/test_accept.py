@@ -15,9 +15,9 @@ import pytest
 from crest_client.draft import Draft
 
 from crest.bench.accept import AcceptOptions, run_accept
+from crest.bench.accept_options import DRAFTERS
 from crest.bench.replay import matched_depth, replay
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.registry import NAMES
 from crest.errors import ConfigError, CorpusError
 from tests.fix_corpus import make_word_tokenizer, write_jsonl, write_tree
 from tests.fix_models import tiny_model
@@ -131,7 +131,7 @@ def test_bench_accept_smoke(db_dsn: str, tiny_dir: Path, tmp_path: Path, monkeyp
     assert {"python", "torch", "transformers", "crest"} <= set(saved["versions"])
     assert saved["prompts"] == 3 and "replay" in saved["method"]["mean_accepted_length"]
     rows = saved["rows"]
-    assert {r["drafter"] for r in rows} == set(NAMES)
+    assert {r["drafter"] for r in rows} == set(DRAFTERS)  # the default rows
     assert len(rows) == 2 + 3 * 2  # none, prompt; rest, crest, crest+prompt at two sizes each
     for row in rows:
         assert row["mean_accepted_length"] >= 1.0

@@ -18,9 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crest.decoding.drafter import Drafter, NoneDrafter
+from crest.drafters.dense import DenseDrafter, HiddenMerged
+from crest.drafters.dense_index import Neighbours
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.registry import NAMES, check_drafter, make_drafter, open_drafter
+from crest.drafters.registry import check_drafter, crest_names, make_drafter, open_drafter
 from crest.drafters.store import PendingStore, StoreDrafter
 from crest.drafters.suffix_array import RestDrafter, RestIndex
 from crest.drafters.trie import (
@@ -265,16 +267,35 @@ def rest_dir(tmp_path: Path) -> Path:
 
 
 KINDS = {"none": NoneDrafter, "prompt": PromptDrafter, "rest": RestDrafter, "crest": StoreDrafter}
-KINDS["crest+prompt"] = MergedDrafter
+KINDS |= {"crest+prompt": MergedDrafter, "dense": DenseDrafter}
+KINDS |= {"crest+dense": HiddenMerged, "crest+dense+prompt": HiddenMerged}
 
 
-@pytest.mark.parametrize("name", NAMES)
+class Neighbour:
+    """A dense part whose nearest stored state continues with the context's last token 1, then 5 6."""
+
+    def search(self, hidden: np.ndarray, *, k: int) -> list[Neighbours]:
+        return [[([1, 5, 6], 0.9)] for _ in hidden]
+
+
+def test_crest_names_are_every_kind_crest_registers() -> None:
+    assert set(crest_names()) == set(KINDS)  # the dense kinds too (registered from crest.drafters.dense)
+    assert set(crest_names("vllm")) == set(KINDS) - {"rest"}
+
+
+@pytest.mark.parametrize("name", crest_names())
 def test_make_drafter_builds_each_name(name: str, rest_dir: Path) -> None:
     store = Fixed(build_draft([[4, 5]], tree_size=8, n=1))
+    context = [9, 1, 2, 9, 1]
     for index in (RestIndex.load(rest_dir), str(rest_dir)):  # an open index or its directory
-        drafter = make_drafter(f" {name.upper()}", store=store, rest_index=index)
+        drafter = make_drafter(f" {name.upper()}", store=store, rest_index=index, dense_index=Neighbour())
         assert type(drafter) is KINDS[name] and isinstance(drafter, Drafter)
-        check_invariants(drafter.draft([9, 1, 2, 9, 1], 8), 8)
+        if "dense" in name:
+            drafter.observe_hidden(len(context), np.zeros(4, dtype=np.float32))  # type: ignore[attr-defined]
+        got = drafter.draft(context, 8)
+        check_invariants(got, 8)
+        if "dense" in name:
+            assert got is not None and [5, 6] in got.paths()
     if name == "rest":
         got = make_drafter(name, rest_index=rest_dir).draft([0, 1, 2], 8)
         assert got is not None and sorted(got.tokens.tolist()) == [3, 4]

@@ -38,8 +38,9 @@ require_module("spark", "pyspark", "the spark engine needs pyspark: pip install 
 if shutil.which("java") is None:
     require("spark", "the spark engine needs a Java runtime (java on PATH)")
 
+from crest.ingest.disk import FIRST_BLOCK  # noqa: E402
 from crest.ingest.spark import ingest_spark, spark_session  # noqa: E402
-from crest.ingest.spark_load import ENV_FAULT, FIRST_BLOCK  # noqa: E402
+from crest.ingest.spark_load import ENV_FAULT  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "shlex.py", "colorsys.py", "keyword.py"]

@@ -25,8 +25,6 @@ from crest_client.keyfilter import KeyFilter
 
 log = logging.getLogger(__name__)
 
-TIERS = ("static", "live")
-
 DATA_SQL = "SELECT token_table, key_filter FROM crest_store_data WHERE store_id = %s"
 INFO_SQL = (
     "SELECT id, tokenizer_fingerprint, vocab_size, token_width, params, tokenizer FROM crest_stores"

@@ -26,7 +26,7 @@ LEARN_DECAY = 0.97  # per observed step: the learned scales follow the last ~30 
 
 LEARN_WINDOW = 256  # tokens appended since the last call beyond which the scales do not score
 
-TIERS = ("static", "live")  # a store's tiers, in `Store.draft_parts` order
+TIERS = ("static", "live")  # a store's tiers (`crest_stores.tier`), in `Store.draft_parts` order: the one list
 
 
 def merge_parts(

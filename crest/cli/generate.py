@@ -21,6 +21,7 @@ from crest.cli.options import (
     OptionalStore,
     ReadDsn,
 )
+from crest.config import DEFAULT_DRAFTER
 
 
 def generate(
@@ -29,7 +30,7 @@ def generate(
     store: OptionalStore = None,
     drafter: Annotated[
         str, typer.Option(envvar="CREST_DRAFTER", help="The drafter; `crest drafters` lists them.")
-    ] = "crest+prompt",
+    ] = DEFAULT_DRAFTER,
     rest_index: Annotated[str | None, typer.Option(help="REST index directory for --drafter rest.")] = None,
     prompts: Annotated[str | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
     max_new_tokens: MaxNewTokens = 128,

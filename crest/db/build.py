@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from crest_client.tiers import TIERS
 from psycopg import sql
 
 from crest.config import check_store_name, fault_pause
@@ -30,7 +31,6 @@ STORE_DATA_BYTES = (
     "(SELECT coalesce(sum(pg_column_size(token_table) + coalesce(pg_column_size(key_filter), 0)), 0)"
     " FROM crest_store_data WHERE store_id = %s)"
 )
-TIERS = ("static", "live")
 
 
 @dataclass

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from crest_client.learner import STATS as LEARNED_STATS
+from crest_client.tiers import TIERS
 from sqlalchemy.dialects import postgresql as pg
 
 metadata = sa.MetaData()
 
 STATES = ("building", "published", "retired", "failed")
-TIERS = ("static", "live")
 
 stores = sa.Table(
     "crest_stores",

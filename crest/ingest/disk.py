@@ -17,6 +17,8 @@ would leave equal-bytes comparisons of such stores with no row at all).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 PAGE = 8192
@@ -27,6 +29,7 @@ HASH_FFACTOR = (
     409  # PostgreSQL's target rows a bucket at fillfactor 100: 8192 // 20 (8 B header, 8 B code, 4 B pointer)
 )
 HASH_PAGE_ROWS = 407  # rows a bucket page holds: (8192 - 24 page header - 16 hash special) // 20
+FIRST_BLOCK = 4096  # ranks of a budget build's first rank block; each next block is twice the last
 
 
 def estimate_row_bytes(key_bytes: np.ndarray | int, blob_bytes: np.ndarray | int) -> np.ndarray:
@@ -96,3 +99,16 @@ def fit_count(cum_bytes: np.ndarray, cum_rows: np.ndarray, *, budget: int, fixed
     """
     over = np.flatnonzero(store_bytes(cum_bytes, cum_rows, fixed=fixed) > budget)
     return int(over[0]) if len(over) else len(cum_bytes)
+
+
+def rank_blocks(end: int, *, first: int = FIRST_BLOCK) -> Iterator[tuple[int, int]]:
+    """Yield the rank blocks [lo, hi) a budget build loads in turn up to `end`: `first` ranks, then doubling.
+
+    The caller stops once a block's ranks no longer all fit (both engines' loaders) or its pool is full
+    (`crest.ingest.selection`); doubling keeps the blocks few on a large budget and the first one cheap on a small.
+    """
+    lo, size = 0, first
+    while lo < end:
+        hi = min(end, lo + size)
+        yield lo, hi
+        lo, size = hi, size * 2

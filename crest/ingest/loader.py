@@ -19,7 +19,7 @@ from crest_client.keyfilter import KeyFilter, hash_keys
 
 from crest import db
 from crest.config import IngestOptions, fault_pause
-from crest.ingest.disk import estimate_row_bytes, fit_count, fixed_bytes
+from crest.ingest.disk import estimate_row_bytes, fit_count, fixed_bytes, rank_blocks
 from crest.ingest.ngrams import Selected, lengths_for, select_top
 from crest.ingest.pruned_budget import PrunedBytes
 from crest.ingest.selection import load_savings
@@ -216,9 +216,8 @@ class RowLoader:
         full = self.frequent(select_top(counts, top_t=ceiling, mode=opts.selection, n=opts.single_n))
         advance = rep.stage("build trees + load (budget)", None)
         pruned = PrunedBytes(self.width) if opts.suffix_rule == "prune" else None  # fill it with the rows kept
-        spent, spent_rows, lo, block = 0, 0, 0, 4096
-        while lo < ceiling:
-            hi = min(ceiling, lo + block)
+        spent, spent_rows = 0, 0
+        for lo, hi in rank_blocks(ceiling):
             per_n: dict[int, list[tuple[int, bytes, int, bytes, int]]] = {}
             rank_bytes = np.zeros(hi - lo, dtype=np.int64)
             rank_rows = np.zeros(hi - lo, dtype=np.int64)
@@ -249,7 +248,6 @@ class RowLoader:
                 return lo + fit
             if len(cum):
                 spent, spent_rows = int(cum[-1]), int(cum_rows[-1])
-            lo, block = hi, block * 2
         return ceiling
 
     def fixed_bytes(self) -> int:

@@ -27,7 +27,7 @@ from crest_client.codec import TokenTable, decode_tree
 
 from crest.config import KEEP_RULES, IngestOptions
 from crest.errors import ConfigError
-from crest.ingest.disk import fit_count
+from crest.ingest.disk import fit_count, rank_blocks
 from crest.ingest.ngrams import NgramCounts, Selected, lengths_for, select_top
 from crest.ingest.pruned_budget import PrunedBytes
 
@@ -133,9 +133,10 @@ def load_savings(
     promises: dict[int, list[float]] = {n: [] for n in full}  # `prune` budgets: crest_client.choice.promise
     pruned = PrunedBytes(loader.width) if opts.budget is not None and opts.suffix_rule == "prune" else None
     advance = rep.stage("build trees (pool)", None)
-    spent, lo, block = 0, 0, 4096  # spent: the pool's bytes (under `prune`, of its rows pruning keeps)
-    while lo < pool_t and (opts.budget is None or spent < POOL_FACTOR * opts.budget):
-        hi = min(pool_t, lo + block)
+    spent = 0  # the pool's bytes (under `prune`, of its rows pruning keeps)
+    for lo, hi in rank_blocks(pool_t):
+        if opts.budget is not None and spent >= POOL_FACTOR * opts.budget:
+            break
         meta: dict[str, list[Any]] = {"keys": [], "ranks": [], "promises": [], "sizes": []}  # PrunedBytes.block's
         for n, sel in full.items():
             if len(sel.counts) <= lo:
@@ -155,7 +156,6 @@ def load_savings(
         if pruned is not None:
             cum, _ = pruned.block(lo, hi, **meta)
             spent = int(cum[-1]) if len(cum) else spent
-        lo, block = hi, block * 2
     rep.done("build trees (pool)")
     prune_budget, pruned = pruned is not None, None  # its rows and waiting lists are not needed past the pool
 

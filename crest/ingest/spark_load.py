@@ -20,7 +20,7 @@ from crest_client.choice import promise
 from crest_client.codec import TokenTable
 
 from crest.config import IngestOptions
-from crest.ingest.disk import estimate_row_bytes, fit_count, fixed_bytes
+from crest.ingest.disk import estimate_row_bytes, fit_count, fixed_bytes, rank_blocks
 from crest.ingest.loader import Reporter, SilentReporter
 from crest.ingest.ngrams import lengths_for
 from crest.ingest.pruned_budget import PrunedBytes
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 ENV_FAULT = "CREST_SPARK_FAULT"  # test hook: `copy` makes the last COPY task of the first block fail
 GROUP_BYTES = 32 << 20  # planned bytes of one group's occurrence sample (the shuffle's record size)
-FIRST_BLOCK = 4096  # ranks of the first --budget block (then doubling), as in-process
 
 
 @dataclass
@@ -89,9 +88,8 @@ class Loader:
             return opts.top_t
         ceiling = max(counted[n] for n in self.ns)
         pruned = PrunedBytes(self.job.width) if opts.suffix_rule == "prune" else None  # fill it with the rows kept
-        spent, lo, size = np.zeros(2, dtype=np.int64), 0, FIRST_BLOCK  # spent: the bytes and rows loaded
-        while lo < ceiling:
-            hi = min(ceiling, lo + size)
+        spent = np.zeros(2, dtype=np.int64)  # the bytes and rows loaded
+        for lo, hi in rank_blocks(ceiling):
             rows = self._rows(lo, hi)
             if pruned is None:
                 fit, block = self._fit(rows, lo, hi, spent, opts.budget)
@@ -100,7 +98,7 @@ class Loader:
             self._copy(rows, lo + fit)
             if fit < hi - lo:
                 return lo + fit
-            spent, lo, size = spent + block, hi, size * 2
+            spent = spent + block
         return ceiling
 
     def _rows(self, lo: int, hi: int) -> RDD[Any]:
