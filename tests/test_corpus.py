@@ -385,9 +385,28 @@ def test_real_sharegpt_package_file() -> None:
 
 
 def test_sharegpt_takes_what_python_json_takes(tmp_path: Path) -> None:
-    # ijson refuses NaN and 1e999; reading goes on exactly from the last record placed
+    # as JSONL does: one parser, Python's own (ijson refused NaN and 1e999)
     path = _write(tmp_path / "x.json", b'[{"text": "a"}, {"text": "b", "x": NaN}, {"text": "c", "n": 1e999}]')
     assert read_all(path)[0] == ["a", "b", "c"]
+
+
+def test_a_record_far_longer_than_a_read_is_decoded_a_few_times_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each retry reads as much again: 2 MB in 64-byte reads is ~16 decodes of the big record, not 32,768
+    calls = []
+
+    class Counting(json.JSONDecoder):
+        def raw_decode(self, s: str, idx: int = 0) -> tuple[object, int]:
+            calls.append(idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(json, "JSONDecoder", Counting)
+    text = "x" * (2 << 20)
+    path = _write(tmp_path / "big.json", json.dumps([{"text": "a"}, {"text": text}, {"text": "b"}]).encode())
+    docs, rep = read_all(path, read_bytes=64, piece_bytes=4 << 20)
+    assert docs == ["a", text, "b"] and rep.dropped_records == 0
+    assert 3 <= len(calls) < 40
 
 
 @pytest.mark.parametrize("read", [1, 2, 3, 5, 8, 13, 1 << 20])

@@ -3,8 +3,8 @@
 Shared by the in-process reader (`crest.ingest.corpus`) and the Spark one (`crest.ingest.spark_corpus`).
 `expand` resolves one input (a file, a directory walked recursively and sorted, hidden entries skipped, or a glob)
 to (file, format) pairs and fails, before any work, on a missing, empty or unreadable input. `raw_chunks` and
-`text_chunks` read a file in `size`-byte chunks, counting the bytes read in the `CorpusReport` (a reader that
-reads a stretch again counts it once). Anything missing or unreadable raises `CorpusError` naming the file.
+`text_chunks` read a file in `size`-byte chunks, counting the bytes read in the `CorpusReport`. Anything missing or
+unreadable raises `CorpusError` naming the file.
 """
 
 from __future__ import annotations
@@ -148,11 +148,9 @@ def open_file(path: Path) -> IO[bytes]:
         raise CorpusError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
 
 
-def raw_chunks(path: Path, rep: CorpusReport | None, size: int, *, start: int = 0, counted: int = 0) -> Iterator[bytes]:
-    """Yield a file's bytes from `start` in chunks, counting in `rep` those past byte `counted` (read before)."""
+def raw_chunks(path: Path, rep: CorpusReport | None, size: int) -> Iterator[bytes]:
+    """Yield a file's bytes in chunks, counting them in `rep`."""
     with open_file(path) as handle:
-        handle.seek(start)
-        at = start
         while True:
             try:
                 raw = handle.read(size)
@@ -161,22 +159,19 @@ def raw_chunks(path: Path, rep: CorpusReport | None, size: int, *, start: int = 
             if not raw:
                 return
             if rep is not None:
-                rep.bytes_read += max(0, at + len(raw) - max(at, counted))
-            at += len(raw)
+                rep.bytes_read += len(raw)
             yield raw
 
 
-def text_chunks(
-    path: Path, rep: CorpusReport | None, size: int, *, cut_tail_ok: bool = False, start: int = 0, counted: int = 0
-) -> Iterator[str]:
+def text_chunks(path: Path, rep: CorpusReport | None, size: int, *, cut_tail_ok: bool = False) -> Iterator[str]:
     """Yield the text of a UTF-8 file in chunks (BOM removed); invalid UTF-8 raises UnicodeDecodeError.
 
     With `cut_tail_ok`, a character cut off by the end of the file is dropped instead (a truncated file). Error
-    positions count from the start of the file; `start` must be a character boundary.
+    positions count from the start of the file.
     """
-    decoder = codecs.getincrementaldecoder("utf-8-sig" if start == 0 else "utf-8")("strict")
-    offset = start
-    for raw in raw_chunks(path, rep, size, start=start, counted=counted):
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
+    offset = 0
+    for raw in raw_chunks(path, rep, size):
         held = len(decoder.getstate()[0])  # bytes of a character the last chunk cut, decoded with this one
         try:
             text = decoder.decode(raw)

