@@ -45,9 +45,11 @@ def test_answers_only_writes_the_responses_alone(loaded: Any, tmp_path: Path) ->
     out = tmp_path / "answers.jsonl"
     figures = write_answers(loaded, PROMPTS, out, max_new_tokens=8, batch=3, answers_only=True)
     texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
-    responses = respond(loaded, [loaded.encode_prompt(p) for p in PROMPTS], max_new_tokens=8, batch=3)
-    want = [loaded.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+    # each prompt's greedy response decoded alone (not `respond`, which `write_answers` calls), without the prompt
+    alone = [generate_plain(loaded.model, loaded.tokenizer, loaded.encode_prompt(p), max_new_tokens=8) for p in PROMPTS]
+    want = [loaded.tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in alone]
     assert figures["documents"] == len(PROMPTS) and sorted(texts) == sorted(want)
+    assert all(t.strip() for t in texts) and not any(t.startswith(p) for t in texts for p in PROMPTS), texts
 
 
 def test_answers_come_from_the_generator_given(loaded: Any, tmp_path: Path) -> None:

@@ -38,9 +38,18 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -
     return directory
 
 
-def test_bench_serve_end_to_end(db_dsn: str, tiny_dir: Path, smollm2_gguf: Path, tmp_path: Path) -> None:
+def test_bench_serve_end_to_end(
+    db_dsn: str, tiny_dir: Path, smollm2_gguf: Path, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.fix_serving import greedy_reference
+
     corpus, prompts = tmp_path / "code.jsonl", tmp_path / "prompts.jsonl"
-    corpus.write_text(json.dumps({"text": CORPUS}) + "\n", encoding="utf-8")
+    # the store also holds the tiny model's own greedy continuations: crest's drafts are accepted, M > 1
+    model, hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir)), smollm2_tokenizer.hf
+    answers = [p + hf.decode(greedy_reference(model, hf.encode(p, add_special_tokens=False), 12)) for p in PROMPTS]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in [CORPUS, *answers * 3]), encoding="utf-8")
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS), encoding="utf-8")
     ingest([str(corpus)], store="code", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
     args = ["bench", "serve", "--model", str(tiny_dir), "--prompts", str(prompts), "--concurrency", "1,2"]
@@ -62,7 +71,13 @@ def test_bench_serve_end_to_end(db_dsn: str, tiny_dir: Path, smollm2_gguf: Path,
         assert row["requests"] == 2 and row["errors"] == 0
         assert row["output_tokens"] == tokens  # greedy is exact: the same tokens in every mode and drafter
         assert row["same_text_as_none"] == 2
-        assert row["mean_accepted_length"] >= 1.0  # from usage.crest.forward_passes
+        # M from usage.crest.forward_passes: one token a forward without drafts, more with the store's
+        if row["drafter"] == "none":
+            assert row["mean_accepted_length"] == pytest.approx(1.0), row
+        elif row["drafter"] == "crest+prompt":
+            assert row["mean_accepted_length"] > 1.5, row
+        else:
+            assert row["mean_accepted_length"] >= 1.0, row
         assert row["output_tokens_per_second"] == pytest.approx(row["output_tokens"] / row["seconds"])
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"]
         assert 0 <= row["itl_ms_p50"] <= row["itl_ms_p99"]

@@ -97,7 +97,7 @@ def test_chat_streamed_and_not(served: Running) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
 
 
-def test_per_request_store_and_prediction(served: Running) -> None:
+def test_per_request_store_and_prediction(served: Running, db_dsn: str, smollm2_gguf: Path, tmp_path: Path) -> None:
     client = served.client()
     prompt = "def sub(a, b):\n"
     plain = client.completions.create(
@@ -106,10 +106,15 @@ def test_per_request_store_and_prediction(served: Running) -> None:
     text = plain.choices[0].text
     assert plain.usage is not None and plain.usage.completion_tokens_details is not None
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    # a store other than the server's (`code`) holding this very continuation: the request's store drafts it
+    echo = write_jsonl(tmp_path / "echo.jsonl", [{"text": prompt + text}] * 3)
+    ingest([str(echo)], store="echo", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=1000))
     stored = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"store": "code", "drafter": "crest"}
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"store": "echo", "drafter": "crest"}
     )
     assert stored.choices[0].text == text
+    assert stored.usage is not None and stored.usage.completion_tokens == 16
+    assert (stored.usage.model_extra or {})["crest"]["forward_passes"] <= 16 // 2, stored.usage  # store drafts taken
     predicted = client.completions.create(
         model="tiny",
         prompt=prompt,

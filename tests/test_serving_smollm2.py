@@ -58,7 +58,9 @@ def test_smollm2_concurrent_requests_equal_generate_alone(smollm2_model: Any) ->
 
 
 @pytest.mark.slow
-def test_smollm2_served_over_http_to_concurrent_clients(smollm2_model: Any, smollm2_gguf: Any) -> None:
+def test_smollm2_served_over_http_to_concurrent_clients(
+    smollm2_model: Any, smollm2_gguf: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import threading
     import time
 
@@ -69,15 +71,39 @@ def test_smollm2_served_over_http_to_concurrent_clients(smollm2_model: Any, smol
 
     model, tokenizer = smollm2_model.model, smollm2_model.tokenizer
     sched = Scheduler(model, tokenizer, max_batch=8, cost=CostModel([1, 64], [1.0, 1.0]))
-    engine = Engine(sched, tokenizer, model_name="smollm2", drafter="prompt",
-                    fingerprint=load_tokenizer(str(smollm2_gguf)).fingerprint)  # fmt: skip
-    running = Running(create_app(engine), engine, model, tokenizer)
     prompts = [smollm2_model.encode_prompt(p) for p in PROMPTS]
     lengths = [6 + 4 * i for i in range(len(prompts))]
     texts: list[str | None] = [None] * len(prompts)
+    # each request is sent once the batch is decoding the ones before it (the scheduler holds its next step until
+    # the request is queued): it joins a running batch; `joined` counts the rows already there at each admission
+    go = [threading.Event() for _ in prompts]
+    go[0].set()
+    joined: list[int] = []
+    admit, step = sched._admit, sched.step
+
+    def counted_admit() -> None:
+        before = sched.active
+        admit()
+        joined.extend([before] * max(0, sched.active - before))
+
+    def paced_step() -> bool:
+        worked = step()
+        waiting = next((e for e in go if not e.is_set()), None)
+        if worked and waiting is not None:
+            waiting.set()
+            deadline = time.monotonic() + 60
+            while sched.queued == 0 and time.monotonic() < deadline:  # the client thread posts it
+                time.sleep(0.005)
+        return worked
+
+    monkeypatch.setattr(sched, "_admit", counted_admit)
+    monkeypatch.setattr(sched, "step", paced_step)
+    engine = Engine(sched, tokenizer, model_name="smollm2", drafter="prompt",
+                    fingerprint=load_tokenizer(str(smollm2_gguf)).fingerprint)  # fmt: skip
+    running = Running(create_app(engine), engine, model, tokenizer)
 
     def ask(i: int) -> None:
-        time.sleep(0.4 * i)  # start at different times, join a running batch
+        assert go[i].wait(300)
         reply = running.client().completions.create(
             model="smollm2", prompt=prompts[i], max_tokens=lengths[i], temperature=0
         )
@@ -87,10 +113,13 @@ def test_smollm2_served_over_http_to_concurrent_clients(smollm2_model: Any, smol
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 480  # within the test's 600 s
         for t in threads:
-            t.join(900)
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), f"requests unanswered after 480 s: {texts}"
     finally:
         running.stop()
+    assert len(joined) == len(prompts) and sum(n > 0 for n in joined) >= len(prompts) // 2, joined  # joined a batch
     for prompt, n, text in zip(prompts, lengths, texts, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():

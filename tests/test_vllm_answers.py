@@ -27,6 +27,23 @@ ASKED = [
     "import json\n\n\ndef load_config(path):\n",
     "The three primary colours are",
 ]
+TIE = 0.01  # a top-2 logit gap below this is a near tie that float32 kernels may break either way
+
+
+def parting_gap(loaded: Any, prompt: str, ours: str, theirs: str) -> float:
+    """Return the model's top-2 logit gap at the token where two greedy answers to `prompt` part (0.0: equal)."""
+    import torch
+
+    if ours == theirs:
+        return 0.0
+    answer = loaded.encode_prompt(ours)
+    kept = 0  # our answer's tokens whose text both answers share
+    while kept < len(answer) and theirs.startswith(loaded.tokenizer.decode(answer[: kept + 1])):
+        kept += 1
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([loaded.encode_prompt(prompt) + answer[:kept]])).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
 
 
 @pytest.mark.parametrize(
@@ -80,7 +97,7 @@ def test_an_engine_that_cannot_run_is_refused_before_the_model_loads(
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
-@pytest.mark.slow  # vLLM starts (about 2 minutes on 2 cores) and answers three prompts
+@pytest.mark.slow  # vLLM starts (about 2 minutes on 2 cores) and answers three prompts, within the test's 600 s
 def test_vllm_writes_the_corpus_transformers_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -101,7 +118,7 @@ def test_vllm_writes_the_corpus_transformers_writes(
         capture_output=True,
         text=True,
         env=env,
-        timeout=900,
+        timeout=480,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     hf, vl = (
@@ -109,7 +126,10 @@ def test_vllm_writes_the_corpus_transformers_writes(
         for name in ("hf.jsonl", "v.jsonl")
     )
     assert len(hf) == len(vl) == 3 and all(hf)
-    # vLLM's float32 kernels could break a near tie the other way late in a response on another CPU: each answer
-    # agrees for its first 40 characters at least, and most agree whole (all of them on the 2-core dev machine)
-    assert all(a == b or len(os.path.commonprefix([a, b])) >= 40 for a, b in zip(hf, vl, strict=True)), (hf, vl)
-    assert sum(a == b for a, b in zip(hf, vl, strict=True)) >= 2, (hf, vl)
+    # vLLM's float32 kernels could break a near tie the other way on another CPU (all agree on the 2-core dev
+    # machine): answers agree whole, or part where the model's top two logits (transformers') all but tie
+    from crest.decoding.models import load_model
+
+    loaded = load_model(str(model))
+    gaps = [parting_gap(loaded, p, a, b) for p, a, b in zip(ASKED, hf, vl, strict=True)]
+    assert all(gap < TIE for gap in gaps), (gaps, hf, vl)
