@@ -12,6 +12,7 @@ each hold one hub and differ only in how they step.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -59,9 +60,17 @@ class LearnOptions:
     feed_interval: float = DEFAULT_FEED_INTERVAL  # seconds between polls of the learned log for other replicas' rows
 
 
+_HUBS = itertools.count(1)
+
+
 def process_source(kind: str) -> str:
-    """Return this process's id for the `source` of the rows it writes: `kind@host:pid`."""
-    return f"{kind}@{socket.gethostname()}:{os.getpid()}"
+    """Return an id for the `source` of the rows a hub writes: `kind@host:pid`, then `/2`, `/3`... for later hubs.
+
+    A hub's feed skips the rows of its own source (its recent tier took them when they were learned), so two hubs
+    in one process (tests, several engines) must not share one.
+    """
+    n = next(_HUBS)
+    return f"{kind}@{socket.gethostname()}:{os.getpid()}" + (f"/{n}" if n > 1 else "")
 
 
 @dataclass

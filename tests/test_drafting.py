@@ -1,0 +1,204 @@
+"""The drafting hub (crest.drafting) and its recent tier, driven through the vLLM proposer as vLLM's runner drives it:
+a response drafts the next request at once, another replica's within about a second (the learned feed), a
+restarted replica is warmed from the log, rows committed out of id order are fed once, a preempted request is
+learned once and a tensor-parallel rank other than 0 learns nothing (real PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+import pytest
+
+from crest.config import IngestOptions, VllmSettings
+from crest.drafters.recent import RecentIndex
+from crest.drafting.hub import DraftHub, LearnOptions
+from crest.ingest.pipeline import ingest
+from crest.integrations.vllm import CrestProposer
+from crest.learning.feed import LearnedFeed
+from crest.learning.journal import append_learned
+from tests.fix_vllm import K, Runner, vllm_config
+
+pytest_plugins = ["tests.fix_corpus"]
+
+TEXT = "the cat sat on the mat a dog sat on a mat the dog sat on the cat a mat"
+
+
+def _wait(condition: Callable[[], bool], what: str, *, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def words(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path) -> str:
+    """A store `words` built from TEXT many times over (the word tokenizer); its DSN."""
+    corpus = tmp_path / "words.jsonl"
+    corpus.write_text(json.dumps({"text": " ".join([TEXT] * 20)}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn,
+           options=IngestOptions(top_t=500))  # fmt: skip
+    return db_dsn
+
+
+@pytest.fixture
+def novel(word_tokenizer_dir: Path) -> tuple[list[int], list[int]]:
+    """A prompt and an output in an order the corpus never had (the store alone drafts them poorly)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(word_tokenizer_dir))
+    ids = [int(t) for t in tokenizer.encode(TEXT, add_special_tokens=False)][::-1]
+    return ids[:3], ids[3:20]
+
+
+def _settings(dsn: str, **kw: Any) -> VllmSettings:
+    common: dict[str, Any] = dict(store="words", drafter="crest", dsn=dsn, read_dsn=dsn, refresh_interval=0)
+    return VllmSettings(**(common | kw))
+
+
+def _serve(proposer: CrestProposer, prompt: list[int], output: list[int], name: str) -> Runner:
+    runner = Runner(proposer)
+    runner.add(name, prompt, output)
+    runner.run()
+    return runner
+
+
+def _learned(dsn: str) -> list[tuple[list[int], str]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT tokens, source FROM crest_learned ORDER BY id").fetchall()
+    return [(np.frombuffer(t, "<u4").tolist(), s) for t, s in rows]
+
+
+@pytest.mark.parametrize("recent", [True, False], ids=["recent-tier", "no-recent-tier"])
+def test_a_response_drafts_the_next_request_at_once(
+    words: str, word_tokenizer_dir: Path, novel: tuple[list[int], list[int]], recent: bool
+) -> None:
+    prompt, output = novel
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=_settings(words, recent=recent))
+    try:
+        first = _serve(proposer, prompt, output, "a")
+        second = _serve(proposer, prompt, output, "b")  # right after: no refresh, nothing polled
+    finally:
+        proposer.close()
+    if recent:  # every chain of the second request is the first one's answer: all accepted, K + 1 tokens a step
+        assert second.accepted == second.drafted >= len(output) - 1 - K, (second.drafted, second.accepted)
+        assert second.accepted > first.accepted and second.steps < first.steps
+    else:
+        assert second.accepted == first.accepted  # the store alone: the same drafts both times
+
+
+def test_another_replica_drafts_it_within_a_second_and_a_restart_keeps_it(
+    words: str, word_tokenizer_dir: Path, novel: tuple[list[int], list[int]]
+) -> None:
+    prompt, output = novel
+    config = vllm_config(word_tokenizer_dir)
+    other = CrestProposer(config, settings=_settings(words, learn=False, feed_interval=0.05))
+    first = CrestProposer(config, settings=_settings(words))
+    try:
+        before = other.hub.recent("words")
+        assert before is not None and before.documents == 0
+        _serve(first, prompt, output, "a")
+        assert first.learner is not None and first.learner.flush(timeout=30)
+        _wait(lambda: before.documents == 1, "the other replica's feed never brought the learned row")
+        served = _serve(other, prompt, output, "b")
+        assert served.accepted == served.drafted >= len(output) - 1 - K, served.accepted
+    finally:
+        first.close()
+        other.close()
+    restarted = CrestProposer(config, settings=_settings(words, learn=False))  # a new process: warmed from the log
+    try:
+        _wait(lambda: restarted.hub.recent("words").documents == 1, "not warmed")  # type: ignore[union-attr]
+        warmed = _serve(restarted, prompt, output, "c")
+        assert warmed.accepted == warmed.drafted >= len(output) - 1 - K
+    finally:
+        restarted.close()
+
+
+def test_rows_committed_out_of_id_order_are_fed_once(words: str) -> None:
+    index = RecentIndex()
+    feed = LearnedFeed(words, lambda: [("words", index)], source="me")
+    late = psycopg.connect(words)
+    try:
+        assert feed.poll() == 0
+        late.execute("INSERT INTO crest_learned (store, tokens, n_tokens) VALUES ('words', %s, 3)",
+                     (np.array([2, 3, 4], "<u4").tobytes(),))  # fmt: skip  # an id taken, not yet committed
+        append_learned(words, "words", [[5, 6, 7, 8]])  # a later id, committed first
+        append_learned(words, "words", [[2, 2, 2]], source="me")  # this process's own: added when learned
+        assert feed.poll() == 1 and index.documents == 1
+        late.commit()
+        assert feed.poll() == 1 and index.documents == 2  # the late row, looked back for
+        assert feed.poll() == 0 and index.documents == 2  # each once
+        assert index.draft([2, 3], 4).tokens.tolist() == [4]  # type: ignore[union-attr]
+        assert index.draft([5, 6], 4).tokens.tolist() == [7, 8]  # type: ignore[union-attr]
+        assert index.draft([2, 2], 4) is None
+    finally:
+        late.close()
+        feed.stop()
+
+
+def test_a_feed_whose_database_is_down_keeps_trying_and_never_raises() -> None:
+    index = RecentIndex()
+    feed = LearnedFeed("postgresql://u@127.0.0.1:1/db", lambda: [("words", index)], interval=0.01,
+                       connect_timeout=1)  # fmt: skip
+    feed.start()
+    try:
+        _wait(lambda: feed.counts["failed"] >= 2, "the feed stopped trying")
+    finally:
+        feed.stop()
+    assert index.documents == 0 and feed.counts["polls"] == 0
+
+
+def test_a_preempted_request_is_learned_once_with_its_whole_output(
+    words: str, word_tokenizer_dir: Path, novel: tuple[list[int], list[int]]
+) -> None:
+    prompt, output = novel
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=_settings(words), idle_learn=0)
+    runner = Runner(proposer)
+    runner.add("p", prompt, output)
+    runner.add("q", prompt[:2], output[:6])
+    runner.step()
+    runner.step()
+    held = runner.tokens.pop("p")  # vLLM preempts p: it leaves the batch, its KV cache freed
+    for _ in range(3):
+        runner.step()  # q runs alone and finishes; the proposer no longer sees p
+    runner.tokens["p"] = held  # p resumes with the tokens it had
+    runner.run()
+    proposer.close()
+    rows = [tokens for tokens, _ in _learned(words)]
+    max_n = IngestOptions().max_n
+    assert sorted(rows) == sorted([prompt[-max_n:] + output, prompt[:2] + output[:6]])  # p once, whole
+
+
+def test_a_tensor_parallel_rank_other_than_0_learns_nothing(
+    words: str, word_tokenizer_dir: Path, novel: tuple[list[int], list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("crest.integrations.vllm.tensor_parallel_rank", lambda: 1)
+    prompt, output = novel
+    proposer = CrestProposer(vllm_config(word_tokenizer_dir), settings=_settings(words, refresh_interval=0.05))
+    try:
+        assert proposer.learner is None and proposer.refresher is None
+        served = _serve(proposer, prompt, output, "a")
+        assert served.drafted > 0  # it drafts as rank 0 does
+    finally:
+        proposer.close()
+    assert _learned(words) == []
+
+
+def test_the_hub_teaches_the_recent_tier_at_once_and_the_log_in_the_background(words: str) -> None:
+    hub = DraftHub(dsn=words, learning=LearnOptions(refresh_interval=0, feed_interval=0), source="serve@test")
+    try:
+        hub.store("words")
+        recent = hub.recent("words")
+        assert recent is not None and hub.feed is None  # feed_interval 0: no polling
+        hub.learn("words", [2, 3, 4, 5, 6, 7], [8, 2, 3], stats={"steps": 2})
+        assert recent.documents == 1 and recent.draft([5, 6, 7], 8).tokens.tolist() == [8, 2, 3]  # type: ignore[union-attr]
+        learner = hub.learner("words")
+        assert learner is not None and learner.flush(timeout=30)
+        assert _learned(words) == [([4, 5, 6, 7, 8, 2, 3], "serve@test")]  # the prompt's last max-n, then the output
+    finally:
+        hub.close()

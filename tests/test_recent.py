@@ -1,0 +1,141 @@
+"""The recent tier's index (crest.drafters.recent): matches at any depth, most recent first, never across documents,
+continuations as long as the match is deep, eviction beyond its capacity, and folds that race lookups and appends."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from crest.drafters.recent import RecentDrafter, RecentIndex, RecentOptions
+from crest.errors import ConfigError
+
+RNG = np.random.default_rng(7)
+
+
+def _doc(n: int, vocab: int = 50_000) -> list[int]:
+    return [int(t) for t in RNG.integers(0, vocab, n)]
+
+
+def test_a_document_drafts_its_continuation_after_any_suffix_of_it() -> None:
+    index = RecentIndex()
+    doc = _doc(120)
+    index.add(doc)
+    for cut in (2, 5, 9, 40, 100):
+        context = _doc(30) + doc[:cut]  # the suffix occurs once, `cut` tokens deep (capped by max_depth)
+        tree = index.draft(context, 64)
+        assert tree is not None, cut
+        assert tree.n == min(cut, index.options.max_depth), cut
+        want = doc[cut : cut + min(index.options.max_continuation, tree.n + 2)]
+        assert tree.tokens.tolist() == want, cut  # a chain: one continuation
+        assert tree.parents.tolist() == list(range(-1, len(want) - 1))
+    assert index.draft(_doc(30), 64) is None  # nothing matches
+    assert index.draft(doc[:5], 0) is None
+
+
+def test_the_deepest_match_wins_over_more_recent_shallow_ones() -> None:
+    index = RecentIndex()
+    deep = _doc(60)
+    index.add(deep)
+    for _ in range(100):  # later documents that share only the last two tokens with the context
+        index.add(_doc(10) + deep[28:30] + _doc(10))
+    tree = index.draft(deep[:30], 16)
+    assert tree is not None and tree.n == 30 and tree.tokens.tolist()[:16] == deep[30:46]
+
+
+def test_equally_deep_matches_make_a_tree_weighted_by_count_most_recent_kept() -> None:
+    index = RecentIndex(RecentOptions(matches=3))
+    head = _doc(6)
+    tails = [_doc(4) for _ in range(4)]
+    for tail in tails:
+        index.add(head + tail)
+    index.add(head + tails[3])  # tails[3] twice, most recently
+    tree = index.draft(head, 64)
+    assert tree is not None and tree.n == 6
+    firsts = {
+        t: w
+        for t, w, p in zip(tree.tokens.tolist(), tree.weights.tolist(), tree.parents.tolist(), strict=True)
+        if p < 0
+    }
+    assert firsts == {tails[3][0]: 2, tails[2][0]: 1}  # the 3 most recent matches: tails 3, 3, 2
+
+
+def test_matches_and_continuations_stop_at_document_boundaries() -> None:
+    index = RecentIndex()
+    a, b = _doc(10), _doc(10)
+    index.add(a)
+    index.add(b)
+    tree = index.draft(a[-3:], 64)  # a's end: what follows in the buffer is b, another document
+    assert tree is None
+    assert index.draft(a[-2:] + b[:2], 64).n == 2  # type: ignore[union-attr]  # not 4: the join is no match
+
+
+def test_the_continuation_grows_with_the_match_depth() -> None:
+    index = RecentIndex(RecentOptions(max_continuation=32))
+    doc = _doc(200)
+    index.add(doc)
+    lengths = [len(index.draft(doc[:cut], 64)) for cut in (2, 4, 8, 16, 40)]  # type: ignore[arg-type]
+    assert lengths == [4, 6, 10, 18, 32]
+
+
+def test_the_oldest_tokens_are_evicted_beyond_the_capacity() -> None:
+    index = RecentIndex(RecentOptions(capacity=2048))
+    first = _doc(500)
+    index.add(first)
+    for _ in range(10):
+        index.add(_doc(500))
+    index.compact()
+    assert index.n_tokens <= 2048
+    assert index.draft(first[:20], 8) is None  # evicted
+    last = _doc(300)
+    index.add(last)
+    assert index.draft(last[:20], 8).tokens.tolist() == last[20:28]  # type: ignore[union-attr]
+
+
+def test_lookups_and_appends_during_folds_lose_nothing() -> None:
+    index = RecentIndex(RecentOptions(capacity=1 << 22))
+    docs = [_doc(64) for _ in range(3000)]
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def fold() -> None:
+        while not stop.is_set():
+            index.compact()
+
+    folding = threading.Thread(target=fold)
+    folding.start()
+    try:
+        for i, doc in enumerate(docs):
+            index.add(doc)
+            if i % 50 == 0:
+                j = int(RNG.integers(0, i + 1))
+                tree = index.draft(docs[j][:20], 8)
+                if tree is None or tree.tokens.tolist() != docs[j][20:28]:
+                    errors.append(f"doc {j} after {i}")
+    finally:
+        stop.set()
+        folding.join()
+    index.compact()
+    assert not errors
+    assert all(index.draft(d[:20], 8).tokens.tolist() == d[20:28] for d in docs[::97])  # type: ignore[union-attr]
+
+
+def test_the_drafter_names_its_part() -> None:
+    index = RecentIndex()
+    doc = _doc(20)
+    index.add(doc)
+    drafter = RecentDrafter(index)
+    tree = drafter.draft(doc[:5], 8)
+    assert drafter.drafted_parts(tree, context_length=5) == {"recent": tree}
+    assert drafter.drafted_parts(None, context_length=5) == {}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [RecentOptions(keys=(4, 2)), RecentOptions(keys=(2, 80)), RecentOptions(capacity=10), RecentOptions(matches=0)],
+    ids=["keys-out-of-order", "deep-key-past-depth", "tiny-capacity", "no-matches"],
+)
+def test_options_that_cannot_work_are_refused(options: RecentOptions) -> None:
+    with pytest.raises(ConfigError, match="recent tier"):
+        RecentIndex(options)
