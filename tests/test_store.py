@@ -371,6 +371,20 @@ def test_draft_parts_follows_a_live_tier_published_later(db_dsn: str) -> None:
         assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, 800]]
 
 
+def test_a_single_lookup_is_a_batch_of_one_on_a_shared_handle(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    publish(db_dsn, "demo", LIVE, tier="live")
+    first, then = [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 600, 3, 4, 5]  # the live tier proved right after `first`
+    with Store.connect(db_dsn, "demo", timeout=2.0) as handle:
+        assert handle.live is not None
+        assert handle.draft(first, 8) is not None  # both tiers draft here
+        many = handle.draft_many([then], 8)[0]  # another thread's batch, between this sequence's calls
+        one = handle.draft(then, 8)  # a handle that learned scales from `first` merged `then` unequally
+        assert one is not None and many is not None
+        assert one.tokens.tolist() == many.tokens.tolist() and one.weights.tolist() == many.weights.tolist()
+        assert handle.draft(then, 8).weights.tolist() == one.weights.tolist()  # type: ignore[union-attr]
+
+
 def test_store_drafter_merges_static_and_live_trees(db_dsn: str) -> None:
     from crest.drafters.store import StoreDrafter
 

@@ -49,7 +49,7 @@ from crest_client.hosts import check_dsn, resolve_read_dsn
 from crest_client.info import PUBLISHED_SQL, StoreInfo, read_info, read_live
 from crest_client.lookup import candidate_keys, usable_tail
 from crest_client.names import check_store_name
-from crest_client.tiers import TIERS, PartScales, merge_parts
+from crest_client.tiers import TIERS, merge_parts
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,6 @@ class Store:
         self._checked = time.monotonic()
         self._warned: set[str] = set()
         self.stats = {"lookups": 0, "hits": 0, "errors": 0, "timeouts": 0, "queries": 0}
-        self._tiers = PartScales(len(TIERS))  # the learned scales of `draft`'s tier merge
 
     @classmethod
     def connect(
@@ -181,19 +180,21 @@ class Store:
     ) -> Draft | None:
         """Return the context's tree: every published tier's merged (`crest_client.tiers`), or one `tier`'s; or None.
 
-        The merge scales each tier by how often its trees proved right on the tokens that followed earlier calls
-        (one sequence per handle learns best; crest's drafters keep one `PartScales` per request).
+        A single lookup is a batch of one: `draft(c)` is `draft_many([c])[0]`. The handle keeps no per-sequence
+        state (it is shared between threads and requests), so the tiers merge with equal scales; a caller that
+        follows one sequence learns each tier's scale itself (`crest_client.tiers.PartScales` over `draft_parts`,
+        as crest's drafters do per request).
         """
-        return self._drafts([context_ids], max_nodes, tier=tier, learn=True)[0]
+        return self._drafts([context_ids], max_nodes, tier=tier)[0]
 
     def draft_many(
         self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int = 64, *, tier: str | None = None
     ) -> list[Draft | None]:
         """Return the drafts for many contexts (tiers merged, or one `tier`'s), all looked up in one statement."""
-        return self._drafts(contexts, max_nodes, tier=tier, learn=False)
+        return self._drafts(contexts, max_nodes, tier=tier)
 
     def _drafts(
-        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int, *, tier: str | None, learn: bool
+        self, contexts: Sequence[Sequence[int] | np.ndarray], max_nodes: int, *, tier: str | None
     ) -> list[Draft | None]:
         if tier is not None and tier not in TIERS:
             raise CrestClientError(f"unknown tier {tier!r}: use {' or '.join(TIERS)}, or None for all")
@@ -204,9 +205,7 @@ class Store:
         found = self.draft_many_parts(contexts, max_nodes)
         if tier == "live":
             return [parts[1] for parts in found]
-        if learn:
-            return [self._tiers.merge(c, p, max_nodes=max_nodes) for c, p in zip(contexts, found, strict=True)]
-        scales = self._tiers.scales()
+        scales = [1.0] * len(TIERS)
         return [merge_parts(parts, scales, max_nodes=max_nodes) for parts in found]
 
     def draft_parts(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int = 64) -> list[Draft | None]:
