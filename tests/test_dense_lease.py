@@ -152,8 +152,8 @@ def test_served_greedy_equals_plain_greedy_with_every_dense_drafter(
             reply = running.client().completions.create(
                 model="tiny", prompt=case[0], max_tokens=MAX_TOKENS, temperature=0, extra_body={"drafter": case[1]}
             )
-            details = reply.usage.completion_tokens_details if reply.usage else None
-            return reply.choices[0].text, int(details.accepted_prediction_tokens or 0) if details else 0
+            own = (reply.usage.model_extra or {}).get("crest", {}) if reply.usage else {}
+            return reply.choices[0].text, int(own.get("accepted_draft_tokens", 0))
 
         with ThreadPoolExecutor(len(cases)) as pool:
             replies = pool.map(ask, cases)

@@ -60,8 +60,9 @@ def test_completions_are_exact_streamed_or_not(
     assert whole.choices[0].text == want
     assert whole.usage is not None and whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 12
     assert whole.usage.total_tokens == len(ids) + 12
-    details = whole.usage.completion_tokens_details
-    assert details is not None and 6 <= (details.accepted_prediction_tokens or 0) <= 12  # store drafts verified
+    assert 6 <= drafted(whole.usage)[0] <= 12  # store drafts verified, counted in crest's own usage object
+    details = whole.usage.completion_tokens_details  # OpenAI's prediction counts: no prediction was sent
+    assert details is not None and details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
     chunks = list(
         client.completions.create(
             model="tiny",
@@ -75,8 +76,9 @@ def test_completions_are_exact_streamed_or_not(
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert drafted(chunks[-1].usage)[0] >= 6
     streamed = chunks[-1].usage.completion_tokens_details
-    assert streamed is not None and (streamed.accepted_prediction_tokens or 0) >= 6
+    assert streamed is not None and streamed.accepted_prediction_tokens == 0
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)  # store `code`
     assert plain.choices[0].text == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -125,6 +127,27 @@ def test_per_request_store_and_prediction(served: Running, db_dsn: str, smollm2_
     assert predicted.choices[0].text == text
     assert predicted.usage is not None and predicted.usage.completion_tokens_details is not None
     assert (predicted.usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 8  # the prediction was right
+    assert drafted(predicted.usage)[0] == predicted.usage.completion_tokens_details.accepted_prediction_tokens
+
+
+def drafted(usage: Any) -> tuple[int, int]:
+    """Return the draft tokens accepted and rejected, from crest's own object in a response's usage."""
+    own = (usage.model_extra or {})["crest"]
+    return int(own["accepted_draft_tokens"]), int(own["rejected_draft_tokens"])
+
+
+def test_openais_boolean_store_is_ignored_and_crest_store_names_the_store(served: Running) -> None:
+    client = served.client()
+    messages: Any = [{"role": "user", "content": "Add two numbers."}]
+    for keep in (False, True):  # OpenAI's `store`: whether OpenAI keeps the completion; nothing to do here
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0, store=keep)
+        assert reply.choices[0].message.content is not None
+    ask: Any = {"model": "tiny", "prompt": "def add(a, b):\n    return", "max_tokens": 12, "temperature": 0}
+    by_new_name = client.completions.create(**ask, extra_body={"crest_store": "code", "drafter": "crest"})
+    assert by_new_name.usage is not None and sum(drafted(by_new_name.usage)) > 0  # drafted from store `code`
+    by_old_name = client.completions.create(**ask, extra_body={"store": "code", "drafter": "crest"})  # still read
+    assert by_old_name.choices[0].text == by_new_name.choices[0].text
+    assert by_old_name.usage is not None and drafted(by_old_name.usage) == drafted(by_new_name.usage)
 
 
 @pytest.mark.parametrize(
@@ -136,6 +159,9 @@ def test_per_request_store_and_prediction(served: Running, db_dsn: str, smollm2_
         ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"prompt": "x", "store": "nosuch"}, 404, "nosuch"),
         ({"prompt": "x", "store": "bad name"}, 400, "name"),
+        ({"prompt": "x", "crest_store": "nosuch"}, 404, "nosuch"),
+        ({"prompt": "x", "crest_store": "code", "store": "other"}, 400, "differ"),
+        ({"prompt": "x", "store": 3}, 400, "store"),
         ({"prompt": "x", "drafter": "rest"}, 400, "drafter"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"prompt": "x", "stop": [""]}, 400, "stop"),
@@ -149,6 +175,9 @@ def test_per_request_store_and_prediction(served: Running, db_dsn: str, smollm2_
         "unknown-field",
         "unknown-store",
         "bad-store-name",
+        "unknown-crest-store",
+        "two-store-names",
+        "store-not-bool-or-name",
         "rest",
         "temperature",
         "stop",
@@ -173,8 +202,11 @@ def test_seeded_sampling_repeats(served: Running) -> None:
 
 
 def test_bad_json_and_tools(served: Running) -> None:
-    r = httpx.post(f"{served.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    bad = b'{"prompt": "x",\n "max_tokens": }'
+    r = httpx.post(f"{served.url}/v1/completions", content=bad, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("request body is not valid JSON: Expecting value at line 2 column 16"), message
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     r = httpx.post(
         f"{served.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "tools": tools}
@@ -392,10 +424,7 @@ def test_database_down_at_start_then_back_then_down(
         def ask() -> tuple[str, int]:
             got = client.completions.create(model="t", prompt=prompt, max_tokens=12, temperature=0)
             assert got.usage is not None and got.usage.completion_tokens_details is not None
-            details = got.usage.completion_tokens_details
-            return got.choices[0].text, (details.accepted_prediction_tokens or 0) + (
-                details.rejected_prediction_tokens or 0
-            )
+            return got.choices[0].text, sum(drafted(got.usage))
 
         assert ask() == (want.choices[0].text, 0)  # down at start: no store drafts, same output
         proxy.up()

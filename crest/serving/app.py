@@ -119,6 +119,8 @@ def create_app(engine: Engine, *, metrics: ServerMetrics | None = None, api_key:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(ApiError(400, _bad_json(exc.body, first)))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = (
             f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
@@ -192,7 +194,7 @@ async def _serve(engine: Engine, body: Any, prompt: list[int], request: Request,
         lambda: engine.request(
             prompt,
             drafter=body.drafter,
-            store=body.store,
+            store=body.store_name(),
             prediction=body.prediction.text() if body.prediction else None,
             max_tokens=limit,
             temperature=body.temperature,
@@ -211,11 +213,19 @@ async def _serve(engine: Engine, body: Any, prompt: list[int], request: Request,
     except CrestClientError as exc:
         raise ApiError(400, str(exc)) from None
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, _END))
-    rid, model = new_id("chatcmpl" if chat else "cmpl"), engine.model_name
+    rid, model, predicted = new_id("chatcmpl" if chat else "cmpl"), engine.model_name, body.prediction is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _events(
-            job, future, pieces, body.stops(), chat=chat, rid=rid, model=model, include_usage=include_usage
+            job,
+            future,
+            pieces,
+            body.stops(),
+            chat=chat,
+            rid=rid,
+            model=model,
+            include_usage=include_usage,
+            predicted=predicted,
         )
         return StreamingResponse(stream, media_type="text/event-stream")
     waiter = asyncio.wrap_future(future)
@@ -228,7 +238,12 @@ async def _serve(engine: Engine, body: Any, prompt: list[int], request: Request,
     text = cut.feed(outcome.result.text) + cut.flush()
     return JSONResponse(
         completion_body(
-            chat=chat, rid=rid, model=model, text=text, reason=_reason(outcome, cut), usage_=_usage(outcome)
+            chat=chat,
+            rid=rid,
+            model=model,
+            text=text,
+            reason=_reason(outcome, cut),
+            usage_=_usage(outcome, predicted=predicted),
         )
     )
 
@@ -259,7 +274,7 @@ async def _events(job: Job, future: Any, pieces: asyncio.Queue[Any], stops: list
         yield _sse(last)
         if include_usage:
             yield _sse({"id": rid, "object": last["object"], "created": last["created"], "model": model,
-                        "choices": [], "usage": _usage(outcome)})  # fmt: skip
+                        "choices": [], "usage": _usage(outcome, predicted=kw["predicted"])})  # fmt: skip
         yield "data: [DONE]\n\n"
     finally:
         if not future.done():
@@ -281,10 +296,20 @@ def _reason(outcome: Outcome, cut: StopText) -> str:
     return "stop" if cut.done else finish_reason(outcome.result.stop_reason)
 
 
-def _usage(outcome: Outcome) -> dict[str, Any]:
+def _usage(outcome: Outcome, *, predicted: bool) -> dict[str, Any]:
     result = outcome.result
     return usage(len(result.prompt_token_ids), result.new_tokens, outcome.accepted_draft_tokens,
-                 outcome.rejected_draft_tokens, forward_passes=result.forward_passes)  # fmt: skip
+                 outcome.rejected_draft_tokens, predicted=predicted, forward_passes=result.forward_passes)  # fmt: skip
+
+
+def _bad_json(body: Any, error: dict[str, Any]) -> str:
+    """Return what is wrong with a body that is not JSON, and where (line and column, as Python's json says)."""
+    loc = tuple(error.get("loc") or ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else 0
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body or "")
+    line, column = text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+    reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+    return f"request body is not valid JSON: {reason} at line {line} column {column} (char {pos})"
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -2,9 +2,11 @@
 
 Requests accept the fields of OpenAI's completions and chat completions that the server honours, the ones it
 can accept only at their neutral value (`n` 1, no `logprobs`, no tools, zero penalties) and Crest's own:
-`store` (which store drafts for this request), `drafter` (a drafter name), `learn` (whether the finished
+`crest_store` (which store drafts for this request), `drafter` (a drafter name), `learn` (whether the finished
 request teaches its store, default true) and OpenAI's predicted outputs, `prediction: {"type": "content",
-"content": ...}`. Anything else is refused with a 400 rather than ignored.
+"content": ...}`. OpenAI's own `store` (a boolean: whether OpenAI keeps the completion) is accepted and
+ignored; a string `store` is the old spelling of `crest_store`, still read. Anything else is refused with a 400
+rather than ignored.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    store: bool | str | None = None  # OpenAI's boolean (ignored: nothing is kept); a string: crest_store's old name
     # crest's own
-    store: str | None = None
+    crest_store: str | None = None
     drafter: str | None = None
     learn: bool = True  # the finished request teaches its store (when the server learns)
     prediction: Prediction | None = None
@@ -68,6 +71,12 @@ class _Common(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def store_name(self) -> str | None:
+        """Return the crest store this request drafts from: `crest_store`, else a string `store`."""
+        if self.crest_store is not None:
+            return self.crest_store
+        return self.store if isinstance(self.store, str) else None
 
     def check(self) -> None:
         """Raise ConfigError for options the server cannot honour."""
@@ -79,6 +88,8 @@ class _Common(BaseModel):
             raise ConfigError("presence_penalty, frequency_penalty and logit_bias are not supported")
         if len(self.stops()) > 4 or any(not isinstance(s, str) or not s for s in self.stops()):
             raise ConfigError("stop must be up to 4 non-empty strings")
+        if isinstance(self.store, str) and self.crest_store is not None and self.store != self.crest_store:
+            raise ConfigError(f"crest_store {self.crest_store!r} and store {self.store!r} differ: give one")
 
 
 class CompletionRequest(_Common):
@@ -154,20 +165,31 @@ def new_id(prefix: str) -> str:
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, accepted: int, rejected: int, *, forward_passes: int | None = None
+    prompt_tokens: int,
+    completion_tokens: int,
+    accepted: int,
+    rejected: int,
+    *,
+    predicted: bool = False,
+    forward_passes: int | None = None,
 ) -> dict[str, Any]:
-    """Return the usage object, with the draft tokens accepted and rejected (and crest's forward count)."""
+    """Return the usage object: the prediction's tokens kept and dropped, and crest's draft and forward counts.
+
+    OpenAI counts `accepted_prediction_tokens` / `rejected_prediction_tokens` only for a request with a
+    `prediction` (0 otherwise); crest's drafts of every source are counted in its own `crest` object.
+    """
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens_details": {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": rejected,
+            "accepted_prediction_tokens": accepted if predicted else 0,
+            "rejected_prediction_tokens": rejected if predicted else 0,
         },
+        "crest": {"accepted_draft_tokens": accepted, "rejected_draft_tokens": rejected},
     }
-    if forward_passes is not None:  # crest's extension: M = completion_tokens / forward_passes
-        body["crest"] = {"forward_passes": forward_passes}
+    if forward_passes is not None:  # M = completion_tokens / forward_passes
+        body["crest"]["forward_passes"] = forward_passes
     return body
 
 
