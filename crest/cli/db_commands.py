@@ -40,9 +40,11 @@ def db_queries() -> None:
     """List the inspection queries shipped with crest (run one with `crest db query NAME`)."""
     from crest.db.queries import list_queries
 
-    for query in list_queries():
+    queries = list_queries()
+    width = max((len(query.name) for query in queries), default=0)
+    for query in queries:
         note = " (psql only: psql -f)" if query.psql_only else ""
-        typer.echo(f"{query.name:<12} {query.summary}{note}")
+        typer.echo(f"{query.name:<{width}}  {query.summary}{note}")
 
 
 @db_app.command("query")

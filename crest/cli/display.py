@@ -1,5 +1,10 @@
 """Terminal output for the CLI: rich progress bars for ingest stages, tables for summaries and drafts, and the
-report of a `crest bench` run (its results printed, and the files `--out` wrote named)."""
+report of a `crest bench` run (its results printed, and the files `--out` wrote named).
+
+Standard output that is not a terminal (a pipe, a file) gets a shape that does not depend on any width: lines are
+never wrapped nor cut, and record lists (`crest stores`, `crest db query`) are a title line, a header line and one
+line per row, in plain columns two spaces apart, whatever the terminal would have shown.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from crest_client.choice import built_rule
 from rich import box
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import (
@@ -33,8 +38,24 @@ if TYPE_CHECKING:
 
 Advance = Callable[[int], None]
 _NUMBER = re.compile(r"^-?[\d,.]+( [kMG]?B)?$|^-$")
+_UNWRAPPED = 1 << 16  # the width output that is not a terminal is laid out for: no line is ever wrapped or cut
+
+
+class _Stdout(Console):
+    """Standard output: fitted to the terminal on one; piped or redirected, as wide as its longest line."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        return size if self.is_terminal else ConsoleDimensions(_UNWRAPPED, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self.width, self.height = new_size
+
+
 console = Console(stderr=True)
-out = Console()
+out = _Stdout()
 
 
 class RichReporter:
@@ -223,11 +244,17 @@ def print_query(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 
 
 def _print_records(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    """Print rows as a table when it fits the terminal, else as one two-column block per row; nothing is cut."""
+    """Print rows as a table when it fits the terminal, else as one two-column block per row; nothing is cut.
+
+    Not on a terminal: plain columns (see `plain_records`), the same whatever the width.
+    """
+    numeric = [all(_NUMBER.match(row[i]) for row in rows) for i in range(len(columns))]
+    if not out.is_terminal:
+        print("\n".join([title, *plain_records(columns, rows, numeric=numeric)]), flush=True)
+        return
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for i, column in enumerate(columns):
-        numeric = all(_NUMBER.match(row[i]) for row in rows)
-        table.add_column(column, no_wrap=True, justify="right" if numeric else "left")
+        table.add_column(column, no_wrap=True, justify="right" if numeric[i] else "left")
     for row in rows:
         table.add_row(*row)
     out.print(title, style="bold")
@@ -242,6 +269,17 @@ def _print_records(title: str, columns: list[str], rows: list[list[str]]) -> Non
         for column, value in zip(columns, row, strict=True):
             block.add_row(column, value)
         out.print(block)
+
+
+def plain_records(columns: Sequence[str], rows: Sequence[Sequence[str]], *, numeric: Sequence[bool]) -> list[str]:
+    """Return a header line and one line per row: columns two spaces apart, numbers right-aligned, none cut."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        fitted = (c.rjust(w) if right else c.ljust(w) for c, w, right in zip(cells, widths, numeric, strict=True))
+        return "  ".join(fitted).rstrip()
+
+    return [line(columns), *(line(row) for row in rows)]
 
 
 def print_figures(title: str, figures: dict[str, Any]) -> None:
