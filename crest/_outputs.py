@@ -4,13 +4,14 @@ A command that writes a result file (`crest export`, `crest answer`) writes a fi
 the target, so a reader never sees half a file. A rename replaces whatever holds the name: a symbolic link would
 become a file and leave its target as it was, and a device, FIFO or socket (`/dev/full`, `/dev/stdout`) would be
 swapped for a regular file. `output_file` follows links and refuses whatever is not a regular file; `replacing`
-is the write and the rename, in the real path's directory.
+is the write and the rename, in the real path's directory. A file written through a temporary one may keep its
+0600; `created_mode` gives written files the mode a file created the usual way gets (0666 less the umask).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -54,3 +55,11 @@ def replacing(target: Path, *, partial: Path | None = None) -> Iterator[IO[bytes
         if partial is None:
             temp.unlink(missing_ok=True)
         raise
+
+
+def created_mode(paths: Iterable[Path]) -> None:
+    """Give each file the mode a newly created file gets: 0666 less the process's umask."""
+    mask = os.umask(0o022)  # the only way to read it: set it, and put it back at once
+    os.umask(mask)
+    for path in paths:
+        path.chmod(0o666 & ~mask)

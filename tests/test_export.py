@@ -4,6 +4,8 @@ back with the same weights and tokenizer, no quantization config; refused target
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,18 @@ def test_export_tiny_round_trip(tiny_dir: Path, tmp_path: Path) -> None:
     ids = AutoTokenizer.from_pretrained(str(out)).encode("def add(a, b):", add_special_tokens=False)
     assert ids == AutoTokenizer.from_pretrained(str(tiny_dir)).encode("def add(a, b):", add_special_tokens=False)
     torch.testing.assert_close(_logits(after, ids), _logits(before, ids))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_writes_files_as_any_file_is_written(tiny_dir: Path, tmp_path: Path, umask: int) -> None:
+    """Every file is 0666 less the umask (not the 0600 of a temporary file): vLLM may run as another user."""
+    before = os.umask(umask)
+    try:
+        out = export_hf(str(tiny_dir), tmp_path / "out")
+    finally:
+        os.umask(before)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_export_refuses_a_full_directory_and_bad_dtype(

@@ -8,10 +8,12 @@ plain floats), and saves the weights as safetensors with the config, the generat
 
 from __future__ import annotations
 
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
 
+from crest._outputs import created_mode
 from crest.errors import ConfigError, ModelError
 
 EXPORT_DTYPES = ("float32", "float16", "bfloat16")
@@ -38,10 +40,13 @@ def save_hf(loaded: Any, target: Path) -> None:
     drop_quantization(loaded.model)
     try:
         target.mkdir(parents=True, exist_ok=True)
+        before = _files(target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loaded.model.save_pretrained(str(target), safe_serialization=True)
             loaded.tokenizer.save_pretrained(str(target))
+        # safetensors writes its file 0600: readable as any file the user writes (vLLM may run as another user)
+        created_mode(path for path, seen in _files(target).items() if before.get(path) != seen)
     except OSError as exc:
         raise ModelError(f"cannot write the model to {str(target)!r}: {exc}") from None
 
@@ -59,6 +64,16 @@ def drop_quantization(model: Any) -> None:
         delattr(config, "quantization_config")
     if getattr(config, "_pre_quantization_dtype", None) is not None:
         delattr(config, "_pre_quantization_dtype")
+
+
+def _files(directory: Path) -> dict[Path, tuple[int, int, int]]:
+    """Return each regular file in `directory` with what changes when it is written (inode, size, mtime)."""
+    found = {}
+    for path in directory.iterdir():
+        info = path.lstat()
+        if stat.S_ISREG(info.st_mode):
+            found[path] = (info.st_ino, info.st_size, info.st_mtime_ns)
+    return found
 
 
 def _check_target(target: Path, *, overwrite: bool) -> None:
