@@ -21,9 +21,9 @@ import torch
 from crest.db import dense as dense_db
 from crest.decoding.generator import SpeculativeGenerator
 from crest.decoding.hidden import final_hidden
+from crest.drafting.hub import LearnOptions
 from crest.learning import refresh_live
 from crest.serving.engine import Engine
-from crest.drafting.hub import LearnOptions
 from crest.serving.scheduler import Outcome
 from tests.fix_dense import column_type, dense_engine, ingest_dense
 from tests.fix_learning import published, start_paused_refresh, wait_until_unlocked

@@ -21,10 +21,10 @@ import psycopg
 import pytest
 
 from crest.config import IngestOptions
+from crest.drafting.hub import LearnOptions
 from crest.ingest.pipeline import ingest
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
-from crest.drafting.hub import LearnOptions
 from crest.serving.scheduler import Scheduler
 from tests.fix_serving import Running, flat_cost, greedy_reference
 

@@ -31,12 +31,12 @@ from crest.decoding.sizing import CostModel
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.store import StoreDrafter
+from crest.drafting.hub import LearnOptions
 from crest.ingest.pipeline import ingest
 from crest.learning.refresher import Refresher
 from crest.learning.requests import path_length, request_stats, served_tokens
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
-from crest.drafting.hub import LearnOptions
 from crest.serving.metrics import ServerMetrics
 from crest.serving.scheduler import Request, Scheduler
 from tests.fix_models import tiny_model

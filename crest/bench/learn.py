@@ -231,8 +231,8 @@ def learned_storage(dsn: str, store: str, rows: Sequence[Sequence[int]], *, prom
     """Return the on-disk bytes of `rows` as learned rows per 1M tokens, measured in a temporary `crest_learned`."""
     import psycopg
 
-    from crest.learning.journal import encode_tokens
     from crest.drafting.hub import process_source
+    from crest.learning.journal import encode_tokens
 
     tokens = sum(len(r) for r in rows)
     if not tokens:

@@ -25,6 +25,7 @@ from crest_client.draft import Draft
 from crest_client.errors import ConnectionUnavailable
 from crest_client.hosts import resolve_read_dsn
 from crest_client.names import check_store_name
+from crest_client.tiers import TIERS
 
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.recent import RecentDrafter
@@ -38,8 +39,6 @@ STORE_ERRORS = (CrestClientError, psycopg.Error, OSError)  # what a lookup may r
 CONNECT_TIMEOUT = 1.5  # seconds an attempt to reach the database may take, at start and on each retry
 
 RETRY_INTERVAL = 5.0  # seconds between attempts to reach a database that was down
-
-TIERS = ("static", "live")  # the parts of a store's draft, in `draft_parts` order
 
 
 class StoreDrafter:

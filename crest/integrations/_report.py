@@ -3,9 +3,13 @@
 vLLM sets handlers on its own logger only, so in its worker crest's INFO lines were lost and its warnings went to
 Python's last-resort handler; `log_with_vllm` hands crest's and the SDK's loggers vLLM's handlers.
 
-Every `every` seconds of steps (`CREST_REPORT_INTERVAL`, 60; 0: never) and once more at close, `DraftReport`
-says the steps, draft tokens verified and accepted since its last line and, with a store, the lookups it made,
-the SDK's cache hits, the lookups past their timeout and the failed ones (deltas of `Store.stats`). A lookup past
+Every `every` seconds of steps (`CREST_REPORT_INTERVAL`, 60; 0: never), once steps stop (the proposer's idle
+watcher: vLLM kills its worker without closing the proposer, so the last interval is said when traffic pauses)
+and at close, `DraftReport` says the steps, draft tokens verified and accepted since its last line and since start
+(vLLM's own counters, `vllm:spec_decode_num_draft_tokens` and `..._accepted_tokens`, are totals since start), the
+proposer's own time per step (p50 and p99, and per row at p50: what crest adds to a step) and, with a store, the
+lookups it made, the SDK's cache hits, the lookups past their timeout and the failed ones (deltas of
+`Store.stats`). A lookup past
 its timeout (`CREST_LOOKUP_TIMEOUT`, 10 ms by default) drafts nothing from the store that step, which no other
 figure tells apart from a context the store has no tree for: this line is where an operator of a vLLM server sees
 that the database is too slow for the timeout.
@@ -16,6 +20,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+
+import numpy as np
 
 log = logging.getLogger("crest.integrations.vllm")
 
@@ -46,6 +52,9 @@ class DraftReport:
     def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float) -> None:
         self.stats, self.every = stats, every
         self.steps = self.drafted = self.accepted = 0
+        self.total_drafted = self.total_accepted = 0
+        self.seconds: list[float] = []  # the proposer's own time of each step since the last line
+        self.per_row: list[float] = []  # the same, per row of the step
         self._since = time.monotonic()
         self._seen = dict(stats() if stats is not None else {})
 
@@ -53,10 +62,14 @@ class DraftReport:
         """Count a chain of `drafted` tokens that a step verified, `accepted` of them kept."""
         self.drafted += drafted
         self.accepted += accepted
+        self.total_drafted += drafted
+        self.total_accepted += accepted
 
-    def step(self) -> None:
-        """Count a step, and say the line when `every` seconds passed since the last."""
+    def step(self, *, seconds: float = 0.0, rows: int = 1) -> None:
+        """Count a step that took the proposer `seconds` for `rows` rows; say the line when `every` seconds passed."""
         self.steps += 1
+        self.seconds.append(seconds)
+        self.per_row.append(seconds / max(1, rows))
         self.say()
 
     def say(self, *, force: bool = False) -> str | None:
@@ -68,9 +81,13 @@ class DraftReport:
         line = None
         if self.steps:
             share = 100.0 * self.accepted / max(1, self.drafted)
+            p50, p99 = (float(np.percentile(self.seconds, q)) * 1e3 for q in (50, 99))
+            row = float(np.percentile(self.per_row, 50)) * 1e3
             line = (
                 f"crest proposer, last {now - self._since:.0f} s: {self.steps} steps, {self.drafted} draft tokens "
-                f"verified, {self.accepted} accepted ({share:.0f}%)"
+                f"verified, {self.accepted} accepted ({share:.0f}%); since start {self.total_drafted} verified, "
+                f"{self.total_accepted} accepted; proposer time per step p50 {p50:.2f} ms, p99 {p99:.2f} ms "
+                f"({row:.3f} ms per row)"
             )
             if self.stats is not None:
                 d = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in LOOKUP_COUNTS}
@@ -80,5 +97,6 @@ class DraftReport:
                 )
             log.info(line)
         self.steps = self.drafted = self.accepted = 0
+        self.seconds, self.per_row = [], []
         self._since, self._seen = now, stats
         return line

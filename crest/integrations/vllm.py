@@ -130,7 +130,7 @@ class CrestProposer:
         self._last_call = time.monotonic()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        if self.learner is not None and idle_learn > 0:
+        if idle_learn > 0:
             self._watcher = threading.Thread(
                 target=self._learn_when_idle, args=(idle_learn,), name="crest-vllm-idle", daemon=True
             )
@@ -238,8 +238,8 @@ class CrestProposer:
             for (i, row, _), chain in zip(live, cut, strict=True):
                 row.chain, row.chain_at = chain, len(row.tokens)
                 drafts[i] = [int(t) for t in chain.tokens]
-        self.report.step()
         self._last_end = time.perf_counter()
+        self.report.step(seconds=self._last_end - start, rows=rows)
         return drafts
 
     def _store_stats(self) -> dict[str, int]:
@@ -303,10 +303,14 @@ class CrestProposer:
         return True
 
     def _learn_when_idle(self, idle: float) -> None:
-        """Learn every request still held once no step has run for `idle` seconds (vLLM finished them)."""
+        """Once no step has run for `idle` seconds (vLLM finished its requests): learn every request still held and
+        say the report's last interval."""
         while not self._stop.wait(min(0.5, idle / 2)):
             with self._lock:
-                if (self._rows or self._parked) and time.monotonic() - self._last_call >= idle:
+                if time.monotonic() - self._last_call < idle:
+                    continue
+                self.report.say(force=True)  # nothing said when no step ran since the last line
+                if self._rows or self._parked:
                     for row in [*self._rows.values(), *self._parked.values()]:  # kept: stepping again learns nothing
                         self._learn_row(row)
                     self._parked.clear()

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from crest.config import DEFAULT_DRAFTER
 from crest.drafters.registry import check_drafter, kind_of
 from crest.drafters.store import check_store
-from crest.errors import ConfigError
 from crest.drafting.hub import LearnOptions
+from crest.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ServeOptions:
 
     model: str = "smollm2"
     store: str | None = None
-    drafter: str = "crest+prompt"
+    drafter: str = DEFAULT_DRAFTER
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 8
