@@ -40,7 +40,7 @@ def drive(
     # one client for every thread: its httpx connection pool is thread-safe
     client = openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key, max_retries=0, timeout=600.0)
     # learning off: a later drafter must not draft from what an earlier one served for the same prompts
-    extra: dict[str, Any] = {"drafter": drafter, "learn": False} | ({"store": store} if store else {})
+    extra: dict[str, Any] = {"drafter": drafter, "learn": False} | ({"crest_store": store} if store else {})
     errors: list[str] = []
 
     def one(prompt: str) -> Timed | None:
