@@ -2,7 +2,8 @@
 
 The `bench` group's own commands here are ingest, lookup and generate; learn and learn-loop
 (`crest.cli.bench_learn_commands`), serve (`crest.cli.bench_serve_commands`), accept
-(`crest.cli.bench_accept_commands`) and ceiling (`crest.cli.bench_ceiling_commands`) live in modules of their own
+(`crest.cli.bench_accept_commands`), ceiling (`crest.cli.bench_ceiling_commands`) and vllm
+(`crest.cli.bench_vllm_commands`) live in modules of their own
 and are registered here.
 """
 
@@ -16,9 +17,10 @@ import typer
 
 from crest.cli.bench_accept_commands import bench_accept_cmd
 from crest.cli.bench_ceiling_commands import bench_ceiling_cmd
+from crest.cli.bench_display import report_run
 from crest.cli.bench_learn_commands import bench_learn_cmd, bench_learn_loop_cmd
 from crest.cli.bench_serve_commands import bench_serve_cmd
-from crest.cli.display import report_run
+from crest.cli.bench_vllm_commands import bench_vllm_cmd
 from crest.cli.options import (
     Chat,
     Device,
@@ -74,7 +76,7 @@ def bench_ingest(
     out: Out = None,
     dsn: Dsn = None,
 ) -> None:
-    """Run a full ingest and print tokens/s per stage, peak memory and bytes per n-gram against the targets."""
+    """Run a full ingest and print tokens/s per stage, peak memory and bytes per n-gram."""
     from crest.bench.ingest import bench_ingest as run
     from crest.config import IngestOptions, resolve_dsn
 
@@ -173,10 +175,10 @@ def bench_generate_cmd(
     import contextlib
 
     from crest.bench.generate import bench_generate, check_run, read_records, summarize_records
-    from crest.bench.prompts import load_prompts
     from crest.bench.results import open_records
     from crest.drafters.registry import check_drafter
     from crest.errors import ConfigError
+    from crest.ingest.prompts import load_prompts
 
     started = time.time()
     if from_records is not None:
@@ -215,3 +217,4 @@ def bench_generate_cmd(
 bench_app.command("serve")(bench_serve_cmd)  # registered after generate: `crest bench --help` lists them in this order
 bench_app.command("accept")(bench_accept_cmd)
 bench_app.command("ceiling")(bench_ceiling_cmd)
+bench_app.command("vllm")(bench_vllm_cmd)

@@ -1,0 +1,326 @@
+"""`crest bench vllm`: vLLM's own drafting (`none`, `ngram`, `suffix`) and crest's proposer, side by side in one run.
+
+One vLLM server per method, one after another (`VllmServer`: vLLM's OpenAI server in a subprocess, optionally
+pinned to cores with `taskset`). Against each, every workload runs its passes in order: pass A sends each request
+once at concurrency 1 (first sight), pass B the same requests at concurrency 8 (both servers have seen them once);
+the edit workload then sends its second turns. crest learns into the shared database (`CREST_LEARN=1`) and what it
+learned is forgotten (`crest forget`) before each crest method's server starts. The fleet runs two replicas, each
+on one core, a client that sends each prompt to one replica and right after to the other, and restarts one replica
+halfway. M (tokens per target forward) comes from vLLM's /metrics counters; exactness against `none`'s texts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crest.bench.serve_figures import ServeFigures, Timed, serve_figures
+from crest.bench.server_process import free_port
+from crest.bench.vllm_workloads import Request, fleet_schedule, same_texts, second_turns
+from crest.errors import CrestError
+
+VLLM_START_TIMEOUT = 600.0  # seconds: vLLM's CPU start with -O0 under load
+
+
+@dataclass(frozen=True)
+class Method:
+    """One vLLM configuration: its speculative config (None: no speculation) and the environment crest reads."""
+
+    name: str
+    speculative: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def crest(self) -> bool:
+        return bool(self.speculative and self.speculative.get("method") == "custom_class")
+
+
+def standard_methods(store: str | None) -> dict[str, Method]:
+    """Return the methods measured by default: none, ngram (K 4), suffix (its own adaptive length), crest K 8 / 16."""
+
+    def crest(k: int) -> Method:
+        spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": k}
+        env = {"CREST_DRAFTER": "crest+prompt", "CREST_LEARN": "1"} | ({"CREST_STORE": store} if store else {})
+        return Method(f"crest+prompt-k{k}", spec, env)
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    found = [Method("none"), Method("ngram", ngram), Method("suffix", {"method": "suffix"}), crest(8), crest(16)]
+    return {m.name: m for m in found}
+
+
+class VllmServer:
+    """vLLM's OpenAI server in a subprocess on a free port (optionally `taskset` to `cores`), waited for on /health."""
+
+    def __init__(
+        self, python: str, model_dir: str, method: Method, *, cores: str, log: Path, extra_env: dict[str, str]
+    ) -> None:
+        self.python, self.model_dir, self.method, self.cores, self.log = python, model_dir, method, cores, log
+        self.extra_env = extra_env
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """Return the command line that starts this server."""
+        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
+        args += ["--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048", "-O0"]
+        args += ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.method.speculative is not None:
+            args += ["--speculative-config", json.dumps(self.method.speculative)]
+        return ["taskset", "-c", self.cores, *args]
+
+    def __enter__(self) -> VllmServer:
+        import httpx
+
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": self.cores}
+        env |= self.method.env | self.extra_env
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as handle:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + VLLM_START_TIMEOUT
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        self.__exit__()
+        raise CrestError(f"vLLM ({self.method.name}) did not start: see {self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # vLLM's engine core is a child process of the server
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def counters(url: str) -> tuple[float, float]:
+    """Return vLLM's accepted and drafted speculative tokens so far (0, 0 without speculation)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    sums = {"vllm:spec_decode_num_accepted_tokens_total": 0.0, "vllm:spec_decode_num_draft_tokens_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums["vllm:spec_decode_num_accepted_tokens_total"], sums["vllm:spec_decode_num_draft_tokens_total"]
+
+
+def send(url: str, request: Request, *, max_tokens: int) -> Timed:
+    """Send one greedy streamed request (a completion, or a chat) and time its chunks."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600.0)
+    common: dict[str, Any] = dict(
+        model="smollm2", max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    started = time.perf_counter()
+    if request.chat:
+        messages = [{"role": role, "content": content} for role, content in request.messages]
+        stream: Any = client.chat.completions.create(messages=messages, **common)  # type: ignore[arg-type]
+    else:
+        stream = client.completions.create(prompt=request.prompt, **common)
+    pieces, chunks, tokens = [], [], 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            tokens = int(chunk.usage.completion_tokens)
+        if chunk.choices:
+            piece = (chunk.choices[0].delta.content if request.chat else chunk.choices[0].text) or ""
+            if piece:
+                chunks.append(time.perf_counter())
+                pieces.append(piece)
+    return Timed("".join(pieces), tokens, 0, started, chunks)
+
+
+@dataclass
+class PassRow:
+    """One pass of one workload against one method: the serving figures, drafts and exactness."""
+
+    method: str
+    workload: str
+    label: str  # A (first sight, concurrency 1), B (again, concurrency 8), turn 2, fleet phases
+    figures: ServeFigures
+    drafted: float
+    accepted: float
+    same_as_none: int | None = None
+    load: float = 0.0  # the 1-minute load average when the pass ended
+
+
+def run_pass(
+    urls: Sequence[str], schedule: Sequence[Sequence[tuple[int, int]]], requests: Sequence[Request], *, max_tokens: int
+) -> tuple[ServeFigures, list[str | None], float, float]:
+    """Send each worker's (request, server) list in order, the workers at once; return figures, texts and drafts.
+
+    M counts each request's target forwards as its tokens less the draft tokens vLLM accepted (over all servers).
+    """
+    before = [counters(u) for u in urls]
+    texts: list[str | None] = [None] * len(requests)
+    done: list[Timed] = []
+
+    def work(items: Sequence[tuple[int, int]]) -> None:
+        for index, server in items:
+            timed = send(urls[server], requests[index], max_tokens=max_tokens)
+            done.append(timed)
+            texts[index] = texts[index] if texts[index] is not None else timed.text
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(schedule)) as pool:
+        list(pool.map(work, schedule))
+    wall = time.perf_counter() - started
+    after = [counters(u) for u in urls]
+    accepted = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    drafted = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    share = accepted / max(1, sum(d.tokens for d in done))
+    for d in done:
+        d.forwards = max(1, round(d.tokens * (1.0 - share)))
+    figures = serve_figures(done, mode="server", drafter="", concurrency=len(schedule), wall=wall)
+    return figures, texts, drafted, accepted
+
+
+def spread(count: int, concurrency: int) -> list[list[tuple[int, int]]]:
+    """Return `count` requests on server 0 split among `concurrency` workers in round-robin order."""
+    return [[(i, 0) for i in range(w, count, concurrency)] for w in range(min(concurrency, count))]
+
+
+@dataclass
+class Workloads:
+    """The requests of each workload (the edit workload's second turns are built from its first answers)."""
+
+    humaneval: list[Request]
+    edit: list[Request]
+    fleet: list[Request]
+
+
+@dataclass
+class Run:
+    """Everything a `crest bench vllm` run needs to start servers and send requests."""
+
+    python: str
+    model_dir: str
+    store: str | None
+    out: Path
+    max_tokens: int = 128
+    concurrency: int = 8
+    cores: str = "0-1"
+    note: Callable[[str], None] = lambda _: None
+    rows: list[PassRow] = field(default_factory=list)
+    reference: dict[tuple[str, str], list[str | None]] = field(default_factory=dict)  # none's texts per pass
+
+    def record(
+        self, method: Method, workload: str, label: str, found: Any, *, reference: list[str | None] | None = None
+    ) -> list[str | None]:
+        """Keep a pass's row (exactness against `none`'s texts of the pass, or `reference`) and return its texts."""
+        figures, texts, drafted, accepted = found
+        figures.drafter = method.name
+        if method.name == "none":
+            self.reference[workload, label] = texts
+        same = same_texts(texts, self.reference.get((workload, label), reference))
+        row = PassRow(method.name, workload, label, figures, drafted, accepted, same, os.getloadavg()[0])
+        self.rows.append(row)
+        self.note(
+            f"{method.name} {workload} {label}: {figures.output_tokens_per_second:.1f} tokens/s, "
+            f"M = {figures.mean_accepted_length:.2f}, same as none {same}, load {row.load:.1f}"
+        )
+        self.save()
+        return texts
+
+    def save(self) -> None:
+        """Write the rows so far to `out/vllm.json`."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        rows = [asdict(r) for r in self.rows]
+        (self.out / "vllm.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+
+    def server(self, method: Method, *, cores: str | None = None, tag: str = "") -> VllmServer:
+        """Return (not yet started) a server for this method, its log in the run's folder."""
+        log = self.out / f"server-{method.name}{tag}.log"
+        return VllmServer(self.python, self.model_dir, method, cores=cores or self.cores, log=log, extra_env={})
+
+    def forget(self, method: Method) -> None:
+        """Delete what crest learned in the store, so this method starts from the static tier alone."""
+        if method.crest and self.store:
+            command = [sys.executable, "-m", "crest.cli", "forget", "--store", self.store, "--yes"]
+            subprocess.run(command, check=True, capture_output=True)
+
+
+def run_method(run: Run, method: Method, workloads: Workloads) -> None:
+    """Start one server for the method and run the humaneval and edit workloads' passes against it."""
+    run.forget(method)
+    run.note(f"starting vLLM: {method.name}")
+    with run.server(method) as server:
+        urls, c, n = [server.url], run.concurrency, run.max_tokens
+        send(server.url, Request(prompt="def warm_up():"), max_tokens=4)
+        for name, requests in (("humaneval", workloads.humaneval), ("edit", workloads.edit)):
+            if not requests:
+                continue
+            first = run.record(method, name, "A", run_pass(urls, spread(len(requests), 1), requests, max_tokens=n))
+            run.record(method, name, "B", run_pass(urls, spread(len(requests), c), requests, max_tokens=n))
+            if name == "edit":
+                answers = run.reference.get((name, "A"), first)
+                turns = second_turns(requests, answers)
+                run.record(method, name, "turn 2", run_pass(urls, spread(len(turns), c), turns, max_tokens=n))
+
+
+def run_fleet(run: Run, method: Method, requests: Sequence[Request]) -> None:
+    """Two replicas on one core each; each prompt served by one, then the other; replica 1 restarted halfway.
+
+    Phase 1 sends the first half of the prompts; phase 2, after the restart, every prompt (the first half again,
+    which only the database remembers on the restarted replica, and the second half for the first time).
+    """
+    run.forget(method)
+    run.note(f"starting two vLLM replicas: {method.name}")
+    half = len(requests) // 2
+    first, second = run.server(method, cores="0", tag="-r0"), run.server(method, cores="1", tag="-r1")
+    with first, second:
+        for server in (first, second):
+            send(server.url, Request(prompt="def warm_up():"), max_tokens=4)
+        urls, n = [first.url, second.url], run.max_tokens
+        plain = run.reference.get(("humaneval", "A"))  # the fleet sends the humaneval prompts: none's texts
+        found = run_pass(urls, fleet_schedule(half), requests[:half], max_tokens=n)
+        run.record(method, "fleet", "phase 1", found, reference=plain[:half] if plain else None)
+        second.__exit__()
+        run.note(f"restarting replica 1: {method.name}")
+        restarted = run.server(method, cores="1", tag="-r1b")
+        with restarted:
+            send(restarted.url, Request(prompt="def warm_up():"), max_tokens=4)
+            urls = [first.url, restarted.url]
+            found = run_pass(urls, fleet_schedule(len(requests)), requests, max_tokens=n)
+            run.record(method, "fleet", "phase 2 (after restart)", found, reference=plain)
+
+
+def markdown(rows: Sequence[PassRow]) -> str:
+    """Return the rows as one markdown table per workload."""
+    lines: list[str] = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        lines += [f"**{workload}**", ""]
+        head = ["method", "pass", "c", "tokens/s", "M", "accepted / drafted", "TTFT p50 (ms)", "ITL p50 (ms)"]
+        head += ["same as none", "load"]
+        lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for r in rows:
+            if r.workload != workload:
+                continue
+            f = r.figures
+            same = "-" if r.same_as_none is None else f"{r.same_as_none}/{f.requests}"
+            lines.append(
+                f"| {r.method} | {r.label} | {f.concurrency} | {f.output_tokens_per_second:.1f} | "
+                f"{f.mean_accepted_length:.2f} | {r.accepted:.0f} / {r.drafted:.0f} | {f.ttft_ms_p50:.0f} | "
+                f"{f.itl_ms_p50:.1f} | {same} | {r.load:.1f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""`crest bench vllm`'s pure parts: the workload builders, the fleet's schedule, the methods and the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from crest.bench.serve_figures import serve_figures
+from crest.bench.vllm_compare import PassRow, markdown, spread, standard_methods
+from crest.bench.vllm_workloads import (
+    SECOND_ASK,
+    Request,
+    edit_requests,
+    fleet_schedule,
+    same_texts,
+    second_turns,
+    stdlib_functions,
+)
+
+
+def test_stdlib_functions_are_top_level_functions_of_the_asked_length(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(8))
+    (tmp_path / "a.py").write_text(f"def long():\n{body}\n    return 0\n\ndef short():\n    return 1\n")
+    (tmp_path / "b.py").write_text("def broken(:\n")
+    found = stdlib_functions(tmp_path.glob("*.py"), count=5)
+    assert found == [f"def long():\n{body}\n    return 0"]
+    assert stdlib_functions(tmp_path.glob("*.py"), count=5, seed=1) == found  # seeded, and one only
+
+
+def test_a_second_turn_sends_back_the_first_and_its_answer() -> None:
+    first = edit_requests(["def f(x):\n    return x"])
+    assert first[0].chat and "def f(x):" in first[0].messages[0][1]
+    (turn,) = second_turns(first, ["def f(x: int) -> int:\n    return x"])
+    assert [role for role, _ in turn.messages] == ["user", "assistant", "user"]
+    assert turn.messages[1][1].startswith("def f(x: int)") and turn.messages[2][1] == SECOND_ASK
+    assert not Request(prompt="def g():").chat
+
+
+def test_the_fleet_serves_each_prompt_on_one_replica_then_on_the_other() -> None:
+    workers = fleet_schedule(5)
+    assert workers == [[(0, 0), (0, 1), (2, 0), (2, 1), (4, 0), (4, 1)], [(1, 1), (1, 0), (3, 1), (3, 0)]]
+    assert fleet_schedule(1) == [[(0, 0), (0, 1)]]
+    assert spread(5, 2) == [[(0, 0), (2, 0), (4, 0)], [(1, 0), (3, 0)]]
+
+
+def test_methods_and_exactness() -> None:
+    methods = standard_methods("stdlib")
+    assert list(methods) == ["none", "ngram", "suffix", "crest+prompt-k8", "crest+prompt-k16"]
+    assert methods["crest+prompt-k16"].crest and methods["crest+prompt-k16"].env["CREST_STORE"] == "stdlib"
+    assert methods["crest+prompt-k8"].speculative == {
+        "method": "custom_class",
+        "model": "crest.integrations.vllm.CrestProposer",
+        "num_speculative_tokens": 8,
+    }
+    assert not methods["suffix"].crest and methods["none"].speculative is None
+    assert same_texts(["a", None, "c"], ["a", "b", "x"]) == 1
+    assert same_texts(["a"], None) is None and same_texts(["a"], ["a", "b"]) is None
+
+
+def test_the_report_has_one_table_per_workload() -> None:
+    figures = serve_figures([], mode="server", drafter="suffix", concurrency=8, wall=1.0)
+    rows = [PassRow("suffix", "humaneval", "B", figures, 40.0, 30.0, 12, 2.5)]
+    text = markdown(rows)
+    assert text.startswith("**humaneval**") and "| suffix | B | 8 |" in text and "| 30 / 40 |" in text
