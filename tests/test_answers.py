@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from crest.bench.generate import generate_plain
-from crest.bench.prompts import sharegpt_turns
 from crest.decoding.answers import respond, write_answers
 from crest.errors import ConfigError
+from crest.ingest.prompts import sharegpt_turns
 from tests.fix_cli import one_error_line, run
 from tests.fix_corpus import write_jsonl
 from tests.fix_dense import PROMPTS

@@ -1,4 +1,4 @@
-"""`crest bench ingest`: a full ingest reported as throughput per stage, peak memory and size against targets."""
+"""`crest bench ingest`: a full ingest reported as throughput per stage, peak memory and size."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_bench_ingest_prints_figures_and_drops_its_store(
     assert figures["documents"] == 6 and figures["tokens"] == 240 and figures["ngrams_stored"] > 0
     assert figures["count_tokens_per_second"] > 0 and figures["peak_rss_bytes"] > 0
     assert figures["bytes_per_ngram"] == pytest.approx(figures["bytes_on_disk"] / figures["ngrams_stored"])
-    assert figures["meets_seconds_target"] is True and figures["meets_peak_rss_bytes_target"] is True
+    assert figures["seconds"] > 0
+    assert not any(key.startswith("meets_") for key in figures)  # figures only: docs/benchmarks.md compares them
     with psycopg.connect(db_dsn) as conn:  # --drop is the default: the benchmark leaves nothing behind
         assert conn.execute("SELECT count(*) FROM crest_stores WHERE state = 'published'").fetchone() == (0,)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from crest.bench.prompts import read_prompts
 from crest.errors import CorpusError
+from crest.ingest.prompts import read_prompts
 
 
 def test_prompts_file_shapes(tmp_path: Path) -> None:

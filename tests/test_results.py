@@ -63,7 +63,7 @@ def test_bench_lookup_writes_json_and_markdown(db_dsn: str, tmp_path: Path) -> N
     assert figures["samples"] == len(ROWS) and figures["hit_rate_of_contexts"] == 1.0
     assert min(figures["bare_median_us"], figures["miss_median_us"], figures["hit_median_us"]) > 0
     assert figures["miss_ratio"] == pytest.approx(figures["miss_median_us"] / figures["bare_median_us"])
-    assert figures["meets_miss_ratio_target"] == (figures["miss_ratio"] <= 1.3)
+    assert not any(key.startswith("meets_") for key in figures)  # figures only: docs/benchmarks.md compares them
     assert "| miss_ratio |" in (out / "lookup.md").read_text()
 
 

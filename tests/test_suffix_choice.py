@@ -10,9 +10,9 @@ import psycopg
 import pytest
 from crest_client import Store
 
-from crest.bench.lookup import tree_source
 from crest.config import IngestOptions
 from crest.decoding.tokenizer import load_tokenizer
+from crest.drafters.text_lookup import tree_source
 from crest.errors import ConfigError
 from crest.ingest.novelty import novel_positions
 from crest.ingest.pipeline import build_store

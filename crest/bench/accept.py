@@ -82,7 +82,7 @@ def _base_corpus(opts: AcceptOptions, out: Path) -> Corpus:
 
 def prepare_prompts(opts: AcceptOptions, corpus: Corpus) -> tuple[list[str], bool]:
     """Return the prompts (first `limit`) and whether to apply the chat template."""
-    from crest.bench.prompts import load_prompts
+    from crest.ingest.prompts import load_prompts
 
     if opts.prompts:
         prompts, chat = load_prompts(opts.prompts), opts.chat

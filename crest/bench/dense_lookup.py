@@ -59,9 +59,9 @@ def hidden_queries(model_spec: str, meta: dense_db.DenseMeta, *, prompts: str, l
     """Return the unit query vectors [Q, D] of the model's hidden states at every position of the prompts."""
     import torch
 
-    from crest.bench.prompts import load_prompts
     from crest.decoding.hidden import final_hidden
     from crest.decoding.models import load_model
+    from crest.ingest.prompts import load_prompts
 
     loaded = load_model(model_spec)
     states = []

@@ -30,10 +30,10 @@ class PreparedStream:
 def prepare_stream(opts: Any, *, model: str, dsn: str) -> PreparedStream:
     """Load the prompts, find the store's static version, load the model and check its tokenizer against the store."""
     from crest import db
-    from crest.bench.prompts import load_prompts
     from crest.decoding.models import load_model
     from crest.decoding.tokenizer import Tokenizer
     from crest.errors import FingerprintMismatch, StoreNotFound
+    from crest.ingest.prompts import load_prompts
 
     prompts = load_prompts(opts.prompts, limit=opts.limit)
     if not prompts:

@@ -47,10 +47,10 @@ def answer(
     OUT appears once every prompt is answered. A GPU answers thousands of prompts a minute; this 2-core CPU about 58
     tokens/s at --batch 64, and 3x that with --engine vllm (run from vLLM's environment).
     """
-    from crest.bench.prompts import load_prompts, sharegpt_turns
     from crest.decoding.answers import check_out, write_answers
     from crest.decoding.models import load_model
     from crest.errors import ConfigError
+    from crest.ingest.prompts import load_prompts, sharegpt_turns
 
     if engine not in ("transformers", "vllm"):
         raise ConfigError(f"unknown --engine {engine!r}: use transformers or vllm")

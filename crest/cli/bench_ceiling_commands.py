@@ -43,11 +43,11 @@ def bench_ceiling_cmd(
     (only the corpus can change that); `no_suffix`: where the context has no stored suffix at all.
     """
     from crest.bench.ceiling import ReferenceOptions, run_ceiling
-    from crest.bench.prompts import load_prompts
-    from crest.cli.display import report_run
+    from crest.cli.bench_display import report_run
     from crest.cli.store_commands import database
     from crest.drafters.store import check_store
     from crest.errors import ConfigError
+    from crest.ingest.prompts import load_prompts
 
     started = time.time()
     if max_nodes < 1 or max_new_tokens < 1 or (limit is not None and limit < 1):

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from crest.cli.display import report_run
+from crest.cli.bench_display import report_run
 from crest.cli.options import Chat, Device, Dsn, Dtype, Json, MaxDraftTokens, Model, OptionalStore, Out
 
 
@@ -51,12 +51,12 @@ def bench_serve_cmd(
     ] = None,
 ) -> None:
     """Drive a crest server (or any OpenAI server, as vLLM) from many threads: tokens/s, TTFT, ITL, M."""
-    from crest.bench.prompts import load_prompts
     from crest.bench.serve import check_levels, run_serve_bench
-    from crest.bench.serve_report import append_targets, targets, write_plot
+    from crest.bench.serve_report import append_comparisons, comparisons, write_plot
     from crest.bench.serve_texts import compare_to_reference, load_reference, save_texts
     from crest.drafters.registry import check_drafter
     from crest.errors import ConfigError
+    from crest.ingest.prompts import load_prompts
 
     started = time.time()
     levels = check_levels(concurrency)
@@ -92,17 +92,17 @@ def bench_serve_cmd(
     )
     if compared is not None:
         compare_to_reference(results.rows, results.texts, compared)
-    found = targets(results.rows)
+    found = comparisons(results.rows)
     rows = [r.__dict__ for r in results.rows]
     title = f"crest serve on {prompts} ({model}, {max_tokens} greedy tokens, {len(texts)} requests per level)"
     extra: dict[str, Any] = {"prompts": prompts, "model": model, "store": store, "max_tokens": max_tokens}
-    extra |= {"chat": chat, "url": url, "server_exit_code": results.server_exit_code, "targets": found}
+    extra |= {"chat": chat, "url": url, "server_exit_code": results.server_exit_code, "comparisons": found}
     report_run("serve", rows, started=started, title=title, as_json=as_json, out=out, **extra)
-    for target in found:
-        typer.echo(f"target {target['target']}: {target['value']} ({'met' if target['met'] else 'missed'})", err=True)
+    for figure in found:
+        typer.echo(f"{figure['figure']}: {figure['value']}", err=True)
     if out is not None:
         typer.echo(f"wrote {save_texts(out, results.texts)}", err=True)
-        append_targets(found, out / "serve.md")
+        append_comparisons(found, out / "serve.md")
         plot = write_plot(results.rows, out / "serve.png")
         if plot is not None:
             typer.echo(f"wrote {plot}", err=True)

@@ -1,5 +1,5 @@
-"""Terminal output for the CLI: rich progress bars for ingest stages, tables for summaries and drafts, and the
-report of a `crest bench` run (its results printed, and the files `--out` wrote named).
+"""Terminal output for the CLI: rich progress bars for ingest stages, tables for summaries and drafts (a `crest
+bench` run's report is `crest.cli.bench_display`'s).
 
 Standard output that is not a terminal (a pipe, a file) gets a shape that does not depend on any width: lines are
 never wrapped nor cut, and record lists (`crest stores`, `crest db query`) are a title line, a header line and one
@@ -12,10 +12,8 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from decimal import Decimal
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import typer
 from crest_client.choice import built_rule
 from rich import box
 from rich.console import Console, ConsoleDimensions
@@ -33,7 +31,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 if TYPE_CHECKING:
-    from crest.bench.lookup import TextLookup
+    from crest.drafters.text_lookup import TextLookup
     from crest.ingest.pipeline import IngestSummary
 
 Advance = Callable[[int], None]
@@ -298,27 +296,3 @@ def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     for row in rows:
         table.add_row(*[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row.values()])
     out.print(table)
-
-
-def report_run(
-    benchmark: str,
-    rows: list[dict[str, Any]],
-    *,
-    started: float,
-    title: str,
-    as_json: bool,
-    out: Path | None,
-    **extra: Any,
-) -> None:
-    """Print a benchmark's results (a table, or one JSON line) and name the files they were written to."""
-    from crest.bench.results import save_run
-
-    results, paths = save_run(benchmark, rows, started=started, title=title, out=out, **extra)
-    if as_json:
-        print(json.dumps(results, default=json_value), flush=True)
-    elif len(rows) == 1:
-        print_figures(title, rows[0])
-    else:
-        print_rows(title, rows)
-    for path in paths:
-        typer.echo(f"wrote {path}", err=True)

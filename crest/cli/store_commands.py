@@ -252,8 +252,8 @@ def lookup(
     """
     from crest_client.choice import resolve_rule
 
-    from crest.bench.lookup import lookup_text
     from crest.cli.display import print_draft
+    from crest.drafters.text_lookup import lookup_text
     from crest.errors import ConfigError, CrestClientError
 
     try:

