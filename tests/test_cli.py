@@ -123,6 +123,22 @@ def test_a_missing_store_is_said_before_the_model_loads(
     assert code == EXIT_FAILURE and "no published store named 'nosuch'" in one_error_line(err), err
 
 
+def test_generate_reads_the_schema_and_never_migrates_it(
+    empty_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from crest.db.connection import head_revision, schema_revision, upgrade
+
+    args = ["generate", "x", "--store", "s", "--drafter", "crest", "--model", str(tmp_path / "no-model")]
+    code, _, err = run(monkeypatch, capsys, *args, "--dsn", empty_db)
+    assert code == EXIT_FAILURE and "no published store named 's'" in one_error_line(err), err
+    assert schema_revision(empty_db) is None  # a read command: no crest schema was created
+    upgrade(empty_db, revision="0006")  # a schema one migration behind this crest's
+    code, _, err = run(monkeypatch, capsys, *args, "--dsn", empty_db)
+    line = one_error_line(err)
+    assert code == EXIT_DATABASE and "revision 0006" in line and "crest db upgrade" in line, err
+    assert schema_revision(empty_db) == "0006" != head_revision()  # still behind: said, not migrated
+
+
 FORWARD = """
 import torch, transformers
 {imports}

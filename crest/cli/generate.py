@@ -1,4 +1,4 @@
-"""`crest generate`: check the options, load the model once, open the drafter, print text or JSON lines per prompt."""
+"""`crest generate`: check the options, open the generation (`crest.serving.generate`), print text or JSON lines."""
 
 from __future__ import annotations
 
@@ -98,39 +98,37 @@ def run_generate(
     read_dsn: str | None = None,
 ) -> None:
     """Generate for one prompt or a file of prompts, printing text or JSON lines (each flushed)."""
-    from crest.bench.prompts import read_prompts
     from crest.config import check_text
-    from crest.decoding.generator import SpeculativeGenerator, check_draft_tokens
-    from crest.decoding.models import load_model
     from crest.decoding.sampling import check_sampling
-    from crest.decoding.tokenizer import Tokenizer
-    from crest.drafters.registry import check_drafter, close_drafter, kind_of, open_drafter
-    from crest.drafters.store import check_store
     from crest.errors import ConfigError
+    from crest.ingest.prompts import read_prompts
+    from crest.serving.generate import open_generation
 
     if (prompt is None) == (prompts_file is None):
         raise ConfigError("give a PROMPT or --prompts FILE (one of them)")
     if max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens must be positive")
     check_sampling(temperature=temperature, top_p=top_p, top_k=top_k)  # all before the model loads
-    check_draft_tokens(max_draft_tokens)
-    name = check_drafter(drafter, where="generate", store=store, rest_index=rest_index)
     texts = [check_text(prompt, name="PROMPT")] if prompt is not None else list(read_prompts(str(prompts_file)))
     if not texts:
         raise ConfigError(f"no prompts in {prompts_file}")
-    if "store" in kind_of(name).needs:
-        _migrate_if_reachable(dsn)
-        check_store(str(store), dsn=read_dsn or dsn)  # a missing store is said before the model loads
-    loaded = load_model(model, device=device, dtype=dtype)
-    fingerprint = Tokenizer(loaded.tokenizer, loaded.spec).fingerprint  # the model's tokenizer, not loaded again
-    draft_source = open_drafter(name, store=store, rest_index=rest_index, dsn=read_dsn or dsn, fingerprint=fingerprint)
-    gen = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=max_draft_tokens, on_progress=_note)
-    try:
+    opened = open_generation(
+        model,
+        drafter=drafter,
+        store=store,
+        rest_index=rest_index,
+        max_draft_tokens=max_draft_tokens,
+        device=device,
+        dtype=dtype,
+        dsn=dsn,
+        read_dsn=read_dsn,
+        on_progress=_note,
+    )
+    with opened:
         for text in texts:
-            ids = loaded.encode_prompt(text, chat=chat)
-            result = gen.generate(
-                ids,
-                drafter=draft_source,
+            result = opened.generate(
+                text,
+                chat=chat,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
@@ -148,21 +146,6 @@ def run_generate(
                     f"\n-- {result.new_tokens} tokens, {result.forward_passes} forwards, "
                     f"M = {result.mean_accepted_length:.2f}, {result.tokens_per_second:.1f} tokens/s"
                 )
-    finally:
-        close_drafter(draft_source)
-
-
-def _migrate_if_reachable(dsn: str | None) -> None:
-    """Migrate the schema so a fresh database reads as 'no such store'; a database that is down costs drafts only."""
-    import contextlib
-
-    from crest import db
-    from crest.config import resolve_dsn
-    from crest.errors import ConnectionUnavailable, DatabaseError
-
-    # a database that is down: the store drafter says so once and drafts nothing until it answers
-    with contextlib.suppress(ConnectionUnavailable, DatabaseError):
-        db.upgrade(resolve_dsn(dsn))
 
 
 def _note(line: str) -> None:

@@ -2,7 +2,8 @@
 
 `connect` and `session` turn connection and statement failures into a DatabaseError that names the server (its
 password masked); `upgrade` runs the Alembic migrations, shipped in the wheel as `crest.migrations`, under an
-advisory lock so that two processes migrating at once take turns.
+advisory lock so that two processes migrating at once take turns; `schema_revision` and `head_revision` say
+where a database is and where `upgrade` would bring it, without migrating (for commands that only read).
 """
 
 from __future__ import annotations
@@ -64,6 +65,26 @@ def upgrade(dsn: str, *, revision: str = "head") -> str | None:
         raise DatabaseError(f"could not migrate the database schema: {exc}") from None
     finally:
         engine.dispose()
+
+
+def schema_revision(dsn: str) -> str | None:
+    """Return the migration the database's crest schema is at (None: no crest schema yet); reads only."""
+    with session(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT to_regclass('crest_alembic_version') IS NOT NULL").fetchone()
+        if row is None or not row[0]:
+            return None
+        found = conn.execute("SELECT version_num FROM crest_alembic_version").fetchone()
+    return str(found[0]) if found else None
+
+
+def head_revision() -> str | None:
+    """Return the newest migration this crest ships (what `upgrade` brings a database to)."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(resources.files(MIGRATIONS)))
+    return ScriptDirectory.from_config(config).get_current_head()
 
 
 def _safe_dsn(dsn: str) -> str:
