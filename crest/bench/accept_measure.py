@@ -20,7 +20,7 @@ import numpy as np
 from crest.bench import accept_dense
 from crest.bench.accept_options import DENSE_DRAFTERS, AcceptOptions
 from crest.bench.datastores import Variant
-from crest.bench.references import Reference, known_references, record_references
+from crest.bench.references import REFERENCES, Reference, known_references, record_references, reference_key
 from crest.bench.replay import reference_hidden, replay
 from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.decoding.hidden import bind_drafter
@@ -112,7 +112,8 @@ def measure(
     gens = {_key(k): _generator(model, tokenizer, max_draft_tokens=opts.max_draft_tokens, cost=cost) for k in timed}
     fixed = _generator(model, tokenizer, max_draft_tokens=opts.max_nodes, cost=None)
     references: list[list[int]] = []
-    known = known_references(out, loaded, prompt_ids, opts) if opts.timing == "none" else None
+    key = reference_key(loaded, prompt_ids, opts)
+    known = known_references(out / REFERENCES, key, len(prompt_ids)) if opts.timing == "none" else None
     try:
         for i, ids in enumerate(prompt_ids):
             note(f"prompt {i + 1}/{len(prompt_ids)}: {len(ids)} tokens, {time.perf_counter() - started:.0f} s so far")

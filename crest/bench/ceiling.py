@@ -226,12 +226,13 @@ def _references(
 ) -> tuple[list[list[int]], int]:
     """Return the prompts' plain greedy continuations (read from `references` when recorded there) and the
     model's positions."""
-    from crest.bench.references import known_references, record_references
+    from crest.bench.references import REFERENCES, known_references, record_references, reference_key
     from crest.decoding.drafter import NoneDrafter
     from crest.decoding.generator import SpeculativeGenerator
 
     plain = SpeculativeGenerator(loaded.model, loaded.tokenizer, max_draft_tokens=0)
-    known = known_references(references, loaded, prompt_ids, options) if references else None
+    key = reference_key(loaded, prompt_ids, options)
+    known = known_references(references / REFERENCES, key, len(prompt_ids)) if references else None
     if known is not None:
         note(f"read the plain greedy continuations of {len(prompt_ids)} prompts from {references}")
         return [list(map(int, r)) for r in known["references"]], plain.max_positions

@@ -4,15 +4,13 @@ For each prompt the target decodes greedily once (the reference); each drafter i
 (`crest.bench.replay`, which feeds the dense parts the hidden state that predicted each context's last token, from
 one plain forward over prompt and reference) with the same node budget. One drafter per name serves all prompts,
 as a server's would. The batched lookup latency is timed on the same hidden states: `batch` contexts per
-statement, beside the load average. Run: `python3 -m crest.bench.dense --store S`; with `--indexes
+statement, beside the load average. Run: `crest bench dense --store S`; with `--indexes
 ivfflat,hnsw` it measures the lookup only: each candidate index built on a copy of the store's dense part, side
 by side, the batch's latency and recall@k against exact search (`crest.bench.dense_lookup`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -25,7 +23,6 @@ from crest.bench.replay import reference_hidden, replay
 from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import wants_hidden
 from crest.drafters.registry import close_drafter, open_drafter
-from crest.errors import errors_as_exit
 from crest.ingest.prompts import load_prompts
 
 DRAFTERS = ("crest", "crest+prompt", "dense", "crest+dense", "crest+dense+prompt")
@@ -109,53 +106,3 @@ def _measure(
             "p95": round(1000 * float(np.percentile(times, 95)), 2),
         }
     return figures
-
-
-def main() -> None:
-    """Parse the options and print the figures as JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dsn", default=None)
-    parser.add_argument("--prompts", default="humaneval")
-    parser.add_argument("--limit", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-nodes", type=int, default=64)
-    parser.add_argument("--drafters", default=",".join(DRAFTERS))
-    parser.add_argument(
-        "--indexes",
-        default=None,
-        help="measure only the batch lookup of these candidate indexes, side by side, e.g. "
-        "ivfflat,hnsw:ef_search=40,ivfflat+halfvec:lists=100:probes=8 (KIND[+halfvec][:key=value]...)",
-    )
-    parser.add_argument("--queries", default="hidden", help="with --indexes: hidden (the model's states) or noisy")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=200)
-    args = parser.parse_args()
-    if args.indexes:
-        from crest.bench.dense_lookup import lookup_figures
-
-        with errors_as_exit():  # bad input or a missing store: one line, crest's exit code
-            found = lookup_figures(
-                args.store, dsn=args.dsn, variants=args.indexes.split(","), queries=args.queries, model=args.model,
-                prompts=args.prompts, limit=args.limit, batch=args.batch, rounds=args.rounds,
-            )  # fmt: skip
-        print(json.dumps(found, indent=2))
-        return
-    with errors_as_exit():
-        figures = compare(
-            args.model,
-            store=args.store,
-            dsn=args.dsn,
-            prompts=args.prompts,
-            limit=args.limit,
-            max_new_tokens=args.max_new_tokens,
-            max_nodes=args.max_nodes,
-            drafters=args.drafters.split(","),
-            batch=args.batch,
-        )
-    print(json.dumps(figures, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -34,7 +34,7 @@ from crest_client.draft import Draft
 from crest.bench.accept import AcceptOptions
 from crest.bench.adaptive import estimated_speedup, quiet_cpu_cost
 from crest.bench.live_memory import LiveTrees, learned_window
-from crest.bench.references import reference_key
+from crest.bench.references import REFERENCES, known_references, reference_key
 from crest.bench.replay import Replay, replay
 from crest.bench.stream import prepare_stream
 from crest.config import DEFAULT_LEARN_WINDOW, IngestOptions
@@ -119,18 +119,6 @@ def make_row_drafter(name: str, *, static: Any, live: LiveTrees | None) -> Draft
     if tiers != "live" or live is not None:
         base = StoreDrafter(_Tiers(static if "static" in tiers else None, live if "live" in tiers else None))
     return MergedDrafter(base, PromptDrafter()) if name.endswith("+prompt") else base
-
-
-def known_references(path: Path, key: str, count: int) -> list[list[int]] | None:
-    """Return the greedy continuations recorded in `path` under `key` (`crest bench accept`'s format), or None."""
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    refs = saved.get("references") if isinstance(saved, dict) else None
-    if saved.get("key") != key or not isinstance(refs, list) or len(refs) != count:
-        return None
-    return [[int(t) for t in ref] for ref in refs]
 
 
 def stream(
@@ -270,7 +258,7 @@ def run_learn(
     """Replay the stream with learning and return its results (also written as learn.json and learn.md in `out`)."""
     from crest_client import Store
 
-    from crest.bench.results import save_run
+    from crest.bench.results import append_notes, save_run
     from crest.decoding.generator import SpeculativeGenerator
     from crest.decoding.sizing import calibrate
 
@@ -284,8 +272,9 @@ def run_learn(
         loaded, prompt_ids, AcceptOptions(max_new_tokens=opts.max_new_tokens, device=opts.device, dtype=opts.dtype)
     )
     out.mkdir(parents=True, exist_ok=True)
-    given = Path(opts.references) if opts.references else out / "references.json"
-    references = known_references(given, key, len(prompt_ids))
+    given = Path(opts.references) if opts.references else out / REFERENCES
+    known = known_references(given, key, len(prompt_ids))
+    references = known["references"] if known is not None else None
     decoded = references is None
     if references is None:
         note(f"no matching references in {given}: decoding {len(prompt_ids)} prompts plainly")
@@ -296,7 +285,7 @@ def run_learn(
             seconds.append(result.seconds)
             note(f"reference {i + 1}/{len(prompt_ids)}: {result.new_tokens} tokens in {result.seconds:.1f} s")
         body = {"key": key, "references": references, "seconds": seconds}
-        (out / "references.json").write_text(json.dumps(body), encoding="utf-8")
+        (out / REFERENCES).write_text(json.dumps(body), encoding="utf-8")
     cost = calibrate(loaded.model, on_progress=note) if opts.calibrate else quiet_cpu_cost()
     rest_index = _rest_index(opts.rest, model=model, out=out) if opts.rest else None
     handles = {
@@ -346,7 +335,7 @@ def run_learn(
             f"request i drafts from a live tier built from requests 0..i - 1 - (i mod {opts.refresh_every}), "
             "built in memory as refresh_live builds it; live lookups in memory, static ones through the SDK"
         ),
-        references={"file": str(given if not decoded else out / "references.json"), "decoded": decoded},
+        references={"file": str(given if not decoded else out / REFERENCES), "decoded": decoded},
         static_lookup_errors=failed,
         live_builds=measured["live_builds"],
         live_build_ms_mean=measured["live_build_ms_mean"],
@@ -355,7 +344,7 @@ def run_learn(
         rest={"corpus": list(opts.rest), "tokens": len(rest_index)} if rest_index is not None else None,
         per_request=measured["per_request"],
     )
-    _append_notes(results, out / "learn.md")
+    append_notes(out / "learn.md", _notes(results))
     return results
 
 
@@ -371,12 +360,11 @@ def _rest_index(inputs: Sequence[str], *, model: str, out: Path) -> Any:
     return RestIndex.load(out / built[0].name)
 
 
-def _append_notes(results: dict[str, Any], path: Path) -> None:
-    """Add the method and the storage figures under the markdown table."""
+def _notes(results: dict[str, Any]) -> list[str]:
+    """Return the method and the storage figures to add under the markdown table."""
     storage = results["storage"]
     live = storage["live_version_at_end"]
     lines = [
-        "",
         f"Method: {results['method']}.",
         "",
         f"- Learned log: {storage['bytes_per_million_tokens'] or 0:,} bytes per 1M served tokens "
@@ -387,5 +375,4 @@ def _append_notes(results: dict[str, Any], path: Path) -> None:
         f"- Adaptive size and est. speedups priced by the cost model {results['cost_model']} (seconds per forward).",
         f"- Static lookups that failed (no draft that step): {results['static_lookup_errors']}.",
     ]
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write("\n".join(lines) + "\n")
+    return lines

@@ -13,6 +13,8 @@ from typing import Any
 
 from crest.bench.datastores import digest
 
+REFERENCES = "references.json"  # the file a run's output folder records them in
+
 
 @dataclass
 class Reference:
@@ -29,17 +31,17 @@ def reference_key(loaded: Any, prompt_ids: list[list[int]], opts: Any) -> str:
     return digest(parts)
 
 
-def known_references(out: Path, loaded: Any, prompt_ids: list[list[int]], opts: Any) -> Any:
-    """Return the greedy continuations recorded in `out` for these prompts, or None."""
+def known_references(path: Path, key: str, count: int) -> dict[str, Any] | None:
+    """Return the record in `path` (`references`: `count` continuations, and their `seconds`) made under `key`,
+    or None when there is none, it is unreadable or it was made for something else."""
     try:
-        saved = json.loads((out / "references.json").read_text(encoding="utf-8"))
+        saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if saved.get("key") != reference_key(loaded, prompt_ids, opts) or len(saved.get("references", [])) != len(
-        prompt_ids
-    ):
+    refs = saved.get("references") if isinstance(saved, dict) else None
+    if saved.get("key") != key or not isinstance(refs, list) or len(refs) != count:
         return None
-    return saved
+    return saved | {"references": [[int(t) for t in ref] for ref in refs]}
 
 
 def record_references(
@@ -48,4 +50,4 @@ def record_references(
     """Record the greedy continuations (and the mean seconds of one) for later M-only runs on the same prompts."""
     key = reference_key(loaded, prompt_ids, opts)
     body = {"key": key, "references": refs, "seconds": [seconds] * len(refs)}
-    (out / "references.json").write_text(json.dumps(body), encoding="utf-8")
+    (out / REFERENCES).write_text(json.dumps(body), encoding="utf-8")

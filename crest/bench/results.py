@@ -109,6 +109,15 @@ def save_run(
     return results, write_results(results, out, title=title) if out is not None else []
 
 
+def append_notes(path: Path, lines: Sequence[str]) -> None:
+    """Add `lines` under the markdown table a run wrote to `path` (its figures in words, its method)."""
+    try:
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write("\n".join(["", *lines]) + "\n")
+    except OSError as exc:
+        raise CrestError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def open_records(path: Path) -> TextIO:
     """Open the JSON-lines file a benchmark writes its records to as it goes, or raise a clear error."""
     try:

@@ -2,8 +2,8 @@
 
 The `bench` group's own commands here are ingest, lookup and generate; learn and learn-loop
 (`crest.cli.bench_learn_commands`), serve (`crest.cli.bench_serve_commands`), accept
-(`crest.cli.bench_accept_commands`), ceiling (`crest.cli.bench_ceiling_commands`) and vllm
-(`crest.cli.bench_vllm_commands`) live in modules of their own
+(`crest.cli.bench_accept_commands`), ceiling (`crest.cli.bench_ceiling_commands`), dense
+(`crest.cli.bench_dense_commands`) and vllm (`crest.cli.bench_vllm_commands`) live in modules of their own
 and are registered here.
 """
 
@@ -17,6 +17,7 @@ import typer
 
 from crest.cli.bench_accept_commands import bench_accept_cmd
 from crest.cli.bench_ceiling_commands import bench_ceiling_cmd
+from crest.cli.bench_dense_commands import bench_dense_cmd
 from crest.cli.bench_display import report_run
 from crest.cli.bench_learn_commands import bench_learn_cmd, bench_learn_loop_cmd
 from crest.cli.bench_serve_commands import bench_serve_cmd
@@ -217,4 +218,5 @@ def bench_generate_cmd(
 bench_app.command("serve")(bench_serve_cmd)  # registered after generate: `crest bench --help` lists them in this order
 bench_app.command("accept")(bench_accept_cmd)
 bench_app.command("ceiling")(bench_ceiling_cmd)
+bench_app.command("dense")(bench_dense_cmd)
 bench_app.command("vllm")(bench_vllm_cmd)
