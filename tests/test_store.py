@@ -371,6 +371,35 @@ def test_draft_parts_follows_a_live_tier_published_later(db_dsn: str) -> None:
         assert _firsts([handle.draft_parts([7, 7, 7])]) == [[None, 800]]
 
 
+def test_a_new_version_is_read_off_the_lookup_path(db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import crest_client.store as sdk_store
+
+    publish(db_dsn, "demo", ROWS)
+    release, reading = threading.Event(), threading.Event()
+    real = sdk_store.read_live
+
+    def slow_read_live(*args: Any, **kw: Any) -> Any:  # a large live version whose token table takes long to read
+        reading.set()
+        assert release.wait(60)
+        return real(*args, **kw)
+
+    with Store.connect(db_dsn, "demo", timeout=0.05, refresh_interval=0.0) as handle:
+        assert handle.live is None
+        monkeypatch.setattr(sdk_store, "read_live", slow_read_live)
+        publish(db_dsn, "demo", LIVE, tier="live")
+        answered: list[Any] = []
+        caller = threading.Thread(target=lambda: answered.append(handle.draft_parts([1, 2, 3, 4, 5])))
+        caller.start()
+        caller.join(30)  # a synchronous read would hold this lookup until `release`
+        assert not caller.is_alive() and reading.is_set(), "the lookup waited for the new version's read"
+        assert _firsts(answered) == [[300, None]]  # the version it knew answered
+        release.set()
+        deadline = time.monotonic() + 60
+        while _firsts([handle.draft_parts([7, 7, 7])]) != [[None, 700]]:  # once read, the next lookups follow it
+            assert time.monotonic() < deadline, "the new live version was never followed"
+            time.sleep(0.01)
+
+
 def test_a_single_lookup_is_a_batch_of_one_on_a_shared_handle(db_dsn: str) -> None:
     publish(db_dsn, "demo", ROWS)
     publish(db_dsn, "demo", LIVE, tier="live")

@@ -71,7 +71,6 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
     """
     max_n, width, vocab = info.max_n, info.token_width, info.vocab_size
     found = info.key_filter
-    code = _STRUCT_CODES.get(width)
     index: list[int] = []
     keys: list[bytes] = []
     for i, whole in enumerate(tails):
@@ -79,7 +78,7 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
         m = len(tail)
         if not m:
             continue
-        raw = struct.pack(f">{m}{code}", *tail) if code else b"".join([t.to_bytes(width, "big") for t in tail])
+        raw = tail_bytes(tail, width)
         h, starts = SEED, []
         for k in range(m - 1, -1, -1):  # suffixes shortest first: the hash of tail[k:] extends that of tail[k+1:]
             h = ((h ^ tail[k]) * MUL) & _M64
@@ -90,6 +89,18 @@ def candidate_keys(tails: Sequence[Sequence[int]], info: Any) -> tuple[list[int]
             index.append(i)
             keys.append(raw[k * width :])
     return index, keys
+
+
+def tail_bytes(tail: Sequence[int], width: int) -> bytes:
+    """Return a tail's ids as a store keys them: big-endian, `width` bytes each (a suffix's key is a suffix of it)."""
+    code = _STRUCT_CODES.get(width)
+    return struct.pack(f">{len(tail)}{code}", *tail) if code else b"".join([t.to_bytes(width, "big") for t in tail])
+
+
+def suffix_keys(tail: Sequence[int], width: int, max_n: int) -> list[bytes | None]:
+    """Return the keys of the tail's suffixes of n = max_n .. 1 tokens (None where the tail is shorter than n)."""
+    raw = tail_bytes(tail, width)
+    return [raw[len(raw) - k * width :] if k <= len(tail) else None for k in range(max_n, 0, -1)]
 
 
 def usable_tail(context: Sequence[int] | np.ndarray, max_n: int, vocab: int) -> list[int]:

@@ -47,7 +47,7 @@ from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
 from crest_client.hosts import check_dsn, resolve_read_dsn
 from crest_client.info import PUBLISHED_SQL, StoreInfo, read_info, read_live
-from crest_client.lookup import candidate_keys, usable_tail
+from crest_client.lookup import candidate_keys, suffix_keys, usable_tail
 from crest_client.names import check_store_name
 from crest_client.tiers import TIERS, merge_parts
 
@@ -91,6 +91,8 @@ class Store:
         self._refresh_interval = float(refresh_interval)
         self._checked = time.monotonic()
         self._warned: set[str] = set()
+        self._loader: threading.Thread | None = None  # reads a newly published version off the lookup path
+        self._load_result: bool | None = None  # the last load: True followed, False could not be followed
         self.stats = {"lookups": 0, "hits": 0, "errors": 0, "timeouts": 0, "queries": 0}
 
     @classmethod
@@ -159,17 +161,10 @@ class Store:
         )
 
     def keys(self, context_ids: Sequence[int] | np.ndarray) -> list[bytes | None]:
-        """Return the keys of the context's suffixes, longest (max n) first; None where too short or out of vocabulary.
-
-        A context whose last token is outside the vocabulary has no key: [].
-        """
-        info = self.info
-        tail = usable_tail(context_ids, info.max_n, info.vocab_size)
-        if len(context_ids) and not tail:
-            return []
-        w = info.token_width
-        raw = b"".join(t.to_bytes(w, "big") for t in tail)
-        return [raw[len(raw) - k * w :] if k <= len(tail) else None for k in range(info.max_n, 0, -1)]
+        """Return the keys of the context's suffixes, longest (max n) first; None where too short ([]: last token
+        outside the vocabulary)."""
+        tail = usable_tail(context_ids, self.info.max_n, self.info.vocab_size)
+        return [] if len(context_ids) and not tail else suffix_keys(tail, self.info.token_width, self.info.max_n)
 
     def candidate_keys(self, tail: Sequence[int]) -> list[bytes]:
         """Return the keys of the tail's suffixes that may be stored (all, without a filter), longest first."""
@@ -279,9 +274,11 @@ class Store:
             self._caches.clear()
 
     def close(self) -> None:
-        """Write what `learn` queued, and close the pool."""
+        """Write what `learn` queued, let a version being read finish, and close the pool."""
         if self._learner is not None:
             self._learner.close()
+        if self._loader is not None:
+            self._loader.join(max(1.0, 100 * self._timeout) + 1.0)  # bounded by the version read's data timeout
         self._conns.close()
 
     def __enter__(self) -> Store:
@@ -308,10 +305,12 @@ class Store:
         self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {error}")
 
     def _switch_version(self) -> bool | None:
-        """Re-read which versions are published; on a change, follow them and drop their caches.
+        """Re-read which versions are published; on a change, follow them (read in the background) and drop caches.
 
-        Return True when the version read is current, False when a new one could not be followed, and None when
-        the database did not answer.
+        A new version's token table and key filter are read by a background thread: the calling lookup waits for
+        it at most one lookup timeout, then goes on with the version it knows (still published until dropped).
+        Return True when the version read is current, False when a new one is not followed (yet, or at all), and
+        None when the database did not answer.
         """
         self._checked = time.monotonic()
         try:
@@ -320,26 +319,42 @@ class Store:
             self._note_failure(exc)
             return None
         published = {res.get_value(r, 0).decode(): int(res.get_value(r, 1)) for r in range(res.ntuples)}
+        static_id = published.get("static")
         live_id = published.get("live") if self._follow_live else None
+        if static_id == self.info.id and live_id == (self.live.id if self.live is not None else None):
+            return True  # the usual case, bounded even if the server stalls
+        loader = self._loader
+        if loader is None or not loader.is_alive():
+            loader = self._loader = threading.Thread(
+                target=self._load, args=(static_id, live_id), name=f"crest-version-{self.name}", daemon=True
+            )
+            loader.start()
+        loader.join(self._timeout)
+        if loader.is_alive():
+            return False  # still reading: this lookup uses the version it knows
+        return bool(self._load_result) and static_id == self.info.id
+
+    def _load(self, static_id: int | None, live_id: int | None) -> None:
+        """Read the published static version (when it changed), then the live tier; swap them in (a thread)."""
+        self._load_result = False
+        if static_id != self.info.id:
+            try:
+                # a new version's data is read once; give it more than a lookup's timeout
+                connection = self._conns.connection
+                info = read_info(connection, self.name, known=self.info, data_timeout=max(1.0, 100 * self._timeout))
+            except Exception as exc:  # store dropped or database gone: keep serving misses
+                self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
+                return
+            if self._fingerprint is not None and info.fingerprint != self._fingerprint:
+                self._warn_once("fingerprint", f"store {self.name!r} was republished with another tokenizer")
+                return
+            if info.id != self.info.id:
+                with self._lock:
+                    self.info = info
+                    self._caches.clear(0)
         if live_id != (self.live.id if self.live is not None else None):
             self._switch_live(live_id)
-        if published.get("static") == self.info.id:  # the usual case, bounded even if the server stalls
-            return True
-        try:
-            # a new version's data is read once; give it more than a lookup's timeout
-            connection = self._conns.connection
-            info = read_info(connection, self.name, known=self.info, data_timeout=max(1.0, 100 * self._timeout))
-        except Exception as exc:  # store dropped or database gone: keep serving misses
-            self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
-            return False
-        if self._fingerprint is not None and info.fingerprint != self._fingerprint:
-            self._warn_once("fingerprint", f"store {self.name!r} was republished with another tokenizer")
-            return False
-        if info.id != self.info.id:
-            with self._lock:
-                self.info = info
-                self._caches.clear(0)
-        return True
+        self._load_result = True
 
     def _switch_live(self, live_id: int | None) -> None:
         """Follow the live tier to version `live_id` (None: no live tier any more)."""

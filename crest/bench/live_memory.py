@@ -18,6 +18,7 @@ import numpy as np
 from crest_client.choice import choose, resolve_rule, rule_for
 from crest_client.codec import TokenTable, decode_tree, token_width
 from crest_client.draft import Draft
+from crest_client.lookup import suffix_keys
 
 from crest.config import IngestOptions
 from crest.ingest.disk import estimate_row_bytes, hash_index_bytes
@@ -99,9 +100,7 @@ class LiveTrees:
         tail = [int(t) for t in context_ids[-max_n:]]
         if not tail or any(t < 0 or t >= self.vocab_size for t in tail):
             return None
-        w = self.width
-        raw = b"".join(t.to_bytes(w, "big") for t in tail)  # the store's keys: big-endian ids, `w` bytes each
-        keys = [raw[len(raw) - k * w :] for k in range(len(tail), 0, -1)]  # longest first
+        keys = suffix_keys(tail, self.width, len(tail))  # the store's keys, longest first
         found = [self.rows[key] for key in keys if key in self.rows]
         if not found:
             return None

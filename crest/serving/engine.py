@@ -197,7 +197,9 @@ class Engine:
             raise ConfigError(f"unknown drafter {requested!r}: this server drafts with one of {', '.join(served)}")
         store_name = store or self.default_store
         if ("store" in kind.needs or "dense_index" in kind.needs) and not store_name:
-            raise ConfigError(f'drafter {kind.name!r} needs a store: give "store" or start the server with --store')
+            raise ConfigError(
+                f'drafter {kind.name!r} needs a store: give "crest_store" or start the server with --store'
+            )
         check_drafter(kind.name, where="serve", store=store_name)
         return kind.name, store_name
 
