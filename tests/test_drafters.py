@@ -484,3 +484,27 @@ def test_check_drafter_refuses_before_opening_anything(
 ) -> None:
     with pytest.raises((ConfigError, CrestClientError), match=error):
         check_drafter(name, where=where, **given)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=7), min_size=1, max_size=10),
+    tree_size=st.integers(1, 40),
+    cut=st.integers(1, 40),
+    share=st.sampled_from([1.0, 0.5, 0.3, 1.7]),
+)
+def test_one_part_merged_alone_is_what_the_whole_merge_gives(
+    rows: list[list[int]], tree_size: int, cut: int, share: float
+) -> None:
+    import crest_client.merge as merge
+
+    width = max(len(r) for r in rows)
+    tree = build_draft(np.array([r + [-1] * (width - len(r)) for r in rows]), tree_size=tree_size)
+    fast = merge.merge_drafts([tree, None], shares=[share, 1.0], tree_size=cut)
+    original, merge._scaled = merge._scaled, lambda *a, **k: None
+    try:
+        slow = merge.merge_drafts([tree, None], shares=[share, 1.0], tree_size=cut)
+    finally:
+        merge._scaled = original
+    assert fast.tokens.tolist() == slow.tokens.tolist() and fast.parents.tolist() == slow.parents.tolist()
+    assert fast.weights.tolist() == slow.weights.tolist() and (fast.n, fast.total) == (slow.n, slow.total)

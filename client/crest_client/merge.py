@@ -48,6 +48,11 @@ def merge_drafts(
     draft's `total` is `scale`, so shares below 1 lower the estimates instead of being normalised away.
     """
     shares = [1.0] * len(drafts) if shares is None else list(shares)
+    given = [(d, share) for d, share in zip(drafts, shares, strict=True) if d is not None and len(d)]
+    if len(given) == 1:  # one part drafted (the usual step): scale its weights, its order is kept when it is the same
+        alone = _scaled(*given[0], tree_size=tree_size, scale=scale)
+        if alone is not None:
+            return alone
     slot: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     tokens: list[int] = []
     parents: list[int] = []
@@ -74,6 +79,23 @@ def merge_drafts(
             mass[j] += share * weight[i] / total
     weights = [max(1, round(m * scale)) for m in mass]
     return replace(ordered(tokens, parents, weights, tree_size=tree_size, n=n), total=int(scale))
+
+
+def _scaled(draft: Draft, share: float, *, tree_size: int, scale: int) -> Draft | None:
+    """Return `merge_drafts([draft])` computed with numpy, or None when the canonical order could differ from the
+    tree's (equal weights off a chain): then the merge itself runs."""
+    w = draft.weights.astype(np.float64)
+    if np.any(w[1:] > w[:-1]):
+        return None  # weights that increase somewhere: the merge's min down each path may change them
+    total = float(w[draft.parents < 0].sum()) or 1.0
+    weights = np.maximum(1, np.round(share * w / total * scale)).astype(np.int64)  # the merge's float steps
+    k = len(draft)
+    chain = bool(np.array_equal(draft.parents, np.arange(-1, k - 1)))
+    if not chain and np.any(weights[1:] >= weights[:-1]):
+        return None  # ties: the canonical order breaks them by token and depth
+    k = min(k, tree_size)
+    tokens, parents = draft.tokens[:k].astype(np.int64), draft.parents[:k].astype(np.int32)
+    return Draft(tokens, parents, weights[:k], int(draft.n), int(scale))
 
 
 def match_path(draft: Draft, tokens: Sequence[int]) -> list[int]:
