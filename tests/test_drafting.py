@@ -24,7 +24,7 @@ from crest.learning.feed import LearnedFeed
 from crest.learning.journal import append_learned
 from tests.fix_vllm import K, Runner, vllm_config
 
-pytest_plugins = ["tests.fix_corpus"]
+pytest_plugins = ["tests.fix_corpus", "tests.fix_serving"]
 
 TEXT = "the cat sat on the mat a dog sat on a mat the dog sat on the cat a mat"
 
@@ -202,3 +202,40 @@ def test_the_hub_teaches_the_recent_tier_at_once_and_the_log_in_the_background(w
         assert _learned(words) == [([4, 5, 6, 7, 8, 2, 3], "serve@test")]  # the prompt's last max-n, then the output
     finally:
         hub.close()
+
+
+def test_a_kind_registered_from_outside_crest_is_served_through_the_hub(
+    db_dsn: str, tiny_served: Any, smollm2_tokenizer: Any, smollm2_gguf: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A new drafter kind is one module and one `register` call: here, a drafter of the recent tier alone."""
+    from crest.drafters import registry
+    from crest.drafters.recent import RecentDrafter
+    from crest.serving.app import create_app
+    from crest.serving.engine import Engine
+    from crest.serving.scheduler import Scheduler
+    from tests.fix_serving import Running, flat_cost, greedy_reference
+
+    monkeypatch.setattr(registry, "_KINDS", dict(registry._KINDS))
+    registry.register(registry.Kind("recent_only", ("store",), lambda parts: RecentDrafter(parts["store"].recent)))
+    corpus = tmp_path / "toy.jsonl"
+    corpus.write_text(json.dumps({"text": "an unrelated text, " * 30}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="toy", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=100))
+    sched = Scheduler(tiny_served, smollm2_tokenizer.hf, cost=flat_cost(), max_batch=4)
+    learning = LearnOptions(refresh_interval=0, feed_interval=0)
+    engine = Engine(sched, smollm2_tokenizer.hf, model_name="tiny", store="toy", drafter="recent_only", dsn=db_dsn,
+                    fingerprint=smollm2_tokenizer.fingerprint, learning=learning)  # fmt: skip
+    running = Running(create_app(engine), engine, tiny_served, smollm2_tokenizer.hf)
+    try:
+        prompt = "def add(a, b):\n    return"
+        ids = smollm2_tokenizer.hf.encode(prompt, add_special_tokens=False)
+        want = smollm2_tokenizer.hf.decode(greedy_reference(tiny_served, ids, 24), skip_special_tokens=True)
+        accepted = []
+        for _ in range(2):
+            reply = running.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+            assert reply.choices[0].text == want
+            usage = (reply.usage.model_extra or {}).get("crest", {}) if reply.usage else {}
+            accepted.append(int(usage.get("accepted_draft_tokens", 0)))
+    finally:
+        running.stop()
+    assert accepted[0] == 0 and accepted[1] >= 20, accepted  # the first answer drafts the second whole
