@@ -112,7 +112,7 @@ def test_another_replica_drafts_it_within_a_second_and_a_restart_keeps_it(
         other.close()
     restarted = CrestProposer(config, settings=_settings(words, learn=False))  # a new process: warmed from the log
     try:
-        _wait(lambda: restarted.hub.recent("words").documents == 1, "not warmed")  # type: ignore[union-attr]
+        _wait(lambda: restarted.hub.recent("words").documents == 1, "not warmed")
         warmed = _serve(restarted, prompt, output, "c")
         assert warmed.accepted == warmed.drafted >= len(output) - 1 - K
     finally:
