@@ -7,6 +7,8 @@ import contextlib
 import gc
 import logging
 import math
+import os
+import signal
 import socket
 import threading
 import time
@@ -292,6 +294,52 @@ def test_a_hung_database_costs_each_draft_one_wait_not_two(db_dsn: str) -> None:
     finally:
         proxy.resume()
         proxy.down()
+
+
+def _session(handle: Store) -> int:
+    """Return the server process of the connection the handle's last lookup ran on (it keeps it for the next)."""
+    return int(handle._conns._idle[-1].info.backend_pid)
+
+
+def _draft_in_child(handle: Store, context: list[int], want: Draft, parent_session: int) -> int:
+    """In a forked child: draft until the store answers, on a session of the child's own; close the handle."""
+    deadline = time.monotonic() + 60
+    got = handle.draft(context)
+    while got is None and time.monotonic() < deadline:  # the child's pool opens at its first lookup
+        got = handle.draft(context)
+    if got is None or got.tokens.tolist() != want.tokens.tolist():
+        return 1
+    if _session(handle) == parent_session:
+        return 2  # the child read on the parent's session
+    handle.close()  # as a `with` block ends: it must not end the parent's session
+    return 0
+
+
+def test_a_store_used_after_fork_reads_on_its_own_connections_and_leaves_the_parents(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    context = [3, 4, 5]
+    with Store.connect(db_dsn, "demo", cache_size=0, timeout=2.0, refresh_interval=math.inf, pool_size=1) as handle:
+        want = handle.draft(context)
+        assert want is not None
+        session = _session(handle)
+        pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            code = 3
+            try:
+                code = _draft_in_child(handle, context, want, session)
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not finish")
+            time.sleep(0.02)
+        assert os.waitstatus_to_exitcode(done[1]) == 0, "1: no draft, 2: the parent's session, 3: it raised"
+        again = handle.draft(context)  # the parent's session is whole: the same connection answers
+        assert again is not None and again.tokens.tolist() == want.tokens.tolist()
+        assert _session(handle) == session and handle.stats["errors"] == handle.stats["timeouts"] == 0, handle.stats
 
 
 LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}

@@ -6,7 +6,9 @@ connections: kept ones first, another from the pool while fewer than its size ar
 10-25 us), a failed one handed back so the pool replaces it. `run_prepared` runs a prepared statement on libpq
 directly (psycopg's cursor layer costs ~40 us) and waits for its result until the lookup timeout on the client's
 clock; past it the statement is cancelled and the connection kept (a server that is only slow), or closed when the
-server does not answer the cancel either (one that stopped answering). While the machine has an idle CPU, a lookup
+server does not answer the cancel either (one that stopped answering). In a child made by `os.fork()` the handle
+reads through a pool of its own, opened at its first lookup: the parent's connections are left to the parent,
+never used nor closed there (`register_at_fork`). While the machine has an idle CPU, a lookup
 first busy-polls for its answer for up to `spin` seconds (`SPIN`, 200 us): a client asleep in select wakes 20-40 us
 after its answer arrives on an idle virtual machine, a quarter of a lookup. On a busy machine (load average
 at or above the CPU count, re-read once a second) it sleeps at once: there the poll would take CPU from the server.
@@ -22,7 +24,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,13 +74,26 @@ def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_ti
     except psycopg.Error as exc:
         reason = " ".join(str(exc).split())
         raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}: {reason}") from None
+    pool = new_pool(dsn, f"{POOL_PREFIX}{name}", timeout=timeout, pool_size=pool_size, connect_timeout=connect_timeout)
+    try:
+        pool.open(wait=True, timeout=connect_timeout)
+    except PoolTimeout:
+        pool.close()
+        raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
+    return pool
+
+
+def new_pool(
+    dsn: str | Callable[[], str], name: str, *, timeout: float, pool_size: int, connect_timeout: float
+) -> ConnectionPool:
+    """Return a pool (not yet open) of connections whose statements time out after `timeout` seconds."""
     timeout_ms = max(1, int(timeout * 1000))
 
     def configure(conn: psycopg.Connection[Any]) -> None:
         conn.execute(f"SET statement_timeout = {timeout_ms}")
         conn.commit()
 
-    pool = ConnectionPool(
+    return ConnectionPool(
         dsn,
         min_size=1,
         max_size=max(1, pool_size),
@@ -87,14 +102,8 @@ def open_pool(dsn: str, name: str, *, timeout: float, pool_size: int, connect_ti
         kwargs={"autocommit": True, "prepare_threshold": 0, "application_name": "crest-client"},
         timeout=connect_timeout,
         reconnect_timeout=0,
-        name=f"{POOL_PREFIX}{name}",
+        name=name,
     )
-    try:
-        pool.open(wait=True, timeout=connect_timeout)
-    except PoolTimeout:
-        pool.close()
-        raise ConnectionUnavailable(f"cannot connect to the crest database for store {name!r}") from None
-    return pool
 
 
 class LookupTimeout(psycopg.OperationalError):
@@ -109,15 +118,40 @@ class Connections:
         self.timeout = float(timeout)
         self.spin = max(0.0, min(float(spin), self.timeout))
         self.polled = 0  # answers that arrived while their lookup polled
+        self._unopened = False  # a pool made in a forked child, opened at its first lookup
+        self._inherited: list[ConnectionPool] = []  # in a forked child: the parents' pools, never closed here
+        self._start()
+        _ALL.add(self)
+
+    def _start(self) -> None:
         self._idle: list[psycopg.Connection[Any]] = []  # connections kept out of the pool for lookups
         self._out = 0  # connections taken from the pool: idle or in use
         self._kept = threading.Condition(threading.Lock())
         self._lock = threading.Lock()
         self._prepared: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
 
+    def after_fork(self) -> None:
+        """In a forked child: leave the parent's pool and connections alone and read through a new pool.
+
+        The parent's connections are its sessions: a child that used one would interleave its statements with the
+        parent's, and one that closed it would end the parent's session. They are kept, unused and unclosed (a
+        connection of another process is never finished when collected either), and a pool with the same options
+        opens at the child's first lookup (its threads start then, not in the fork handler).
+        """
+        old = self.pool
+        if old.closed and not self._unopened:  # a handle closed before the fork stays closed
+            return
+        self._inherited.append(old)
+        self.pool = new_pool(old.conninfo, old.name, timeout=self.timeout, pool_size=old.max_size,
+                             connect_timeout=old.timeout)  # fmt: skip
+        self._unopened = True
+        self._start()  # the parent's locks may have been held by one of its threads at the fork
+
     def take(self) -> psycopg.Connection[Any]:
         """Take a kept connection, or one more from the pool while fewer than its size are out."""
         deadline = time.monotonic() + self.timeout
+        if self._unopened:
+            self._open_pool()
         with self._kept:
             while not self._idle:
                 if self._out < self.pool.max_size:
@@ -133,6 +167,13 @@ class Connections:
         except BaseException:
             self.drop(None)
             raise
+
+    def _open_pool(self) -> None:
+        """Open the pool made after a fork (without waiting: the lookup waits for a connection, bounded as ever)."""
+        with self._lock:
+            if self._unopened:
+                self.pool.open(wait=False)
+                self._unopened = False
 
     def keep(self, conn: psycopg.Connection[Any]) -> None:
         """Keep a connection that served a statement for the next one."""
@@ -276,8 +317,21 @@ def has_idle_cpu() -> bool:
 
 
 _SPINNING = threading.Lock()  # one thread of a process polls at a time: more would take turns holding the GIL
+_ALL: weakref.WeakSet[Connections] = weakref.WeakSet()  # every handle's connections, reopened in a forked child
+
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _load_checked, _idle = -2.0, False
+
+
+def _after_fork_in_child() -> None:
+    """Give every handle of a forked child connections of its own (and a free poll lock)."""
+    global _SPINNING
+    _SPINNING = threading.Lock()  # a parent's thread may have held it at the fork
+    for conns in list(_ALL):
+        conns.after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class OwnPoolRecords(logging.Filter):

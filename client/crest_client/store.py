@@ -323,6 +323,11 @@ class Store:
         live_id = published.get("live") if self._follow_live else None
         if static_id == self.info.id and live_id == (self.live.id if self.live is not None else None):
             return True  # the usual case, bounded even if the server stalls
+        if static_id is None:  # dropped: nothing of it drafts any more, not even from the cache
+            with self._lock:
+                self._caches.clear()
+            self._warn_once("switch", f"store {self.name!r} was dropped: no drafts from it until it is published")
+            return False
         loader = self._loader
         if loader is None or not loader.is_alive():
             loader = self._loader = threading.Thread(
