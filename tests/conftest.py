@@ -20,7 +20,7 @@ from hypothesis import settings
 
 _HOME = Path(tempfile.mkdtemp(prefix="crest-tests-home-"))
 
-settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None, deadline=None)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile(os.environ.get("CREST_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
