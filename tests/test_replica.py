@@ -365,7 +365,7 @@ def test_engine_reads_from_the_read_dsn_and_keeps_dsn_for_writes(replica_pair: R
         store = engine.store("demo")
         assert version_of(store.draft(CONTEXTS[0])) == 1
         assert server_of_clients(replica_pair, replicated_db) == {"primary": 0, "replica": 1}
-        assert engine.dsn == replica_pair.primary.dsn(replicated_db)
+        assert engine.hub.dsn == replica_pair.primary.dsn(replicated_db)  # learning writes there
     finally:
         engine.stop(timeout=5.0)
 
