@@ -126,17 +126,9 @@ def run_generate(
     )
     with opened:
         for text in texts:
-            result = opened.generate(
-                text,
-                chat=chat,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=seed,
-                stop=stop,
-                on_text=None if as_json else _write_now,
-            )
+            sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop}
+            on_text = None if as_json else _write_now
+            result = opened.generate(text, chat=chat, max_new_tokens=max_new_tokens, on_text=on_text, **sampling)
             if as_json:
                 payload = result.to_json()
                 payload.pop("accepted_per_step", None)

@@ -9,9 +9,10 @@ store, and a database that does not answer costs store drafts only (the store dr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from crest.decoding.drafter import Drafter
 from crest.decoding.generator import GenerationResult, SpeculativeGenerator
@@ -26,31 +27,13 @@ class Generation:
     drafter: Drafter
     generator: SpeculativeGenerator
 
-    def generate(
-        self,
-        prompt: str,
-        *,
-        chat: bool = False,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        on_text: Callable[[str], None] | None = None,
-    ) -> GenerationResult:
-        """Generate after one prompt (through the chat template when `chat`) with the opened drafter."""
-        return self.generator.generate(
-            self.loaded.encode_prompt(prompt, chat=chat),
-            drafter=self.drafter,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            on_text=on_text,
-        )
+    def generate(self, prompt: str, *, chat: bool = False, **options: Any) -> GenerationResult:
+        """Generate after one prompt (through the chat template when `chat`) with the opened drafter.
+
+        `options` are `SpeculativeGenerator.generate`'s: max_new_tokens, temperature, top_p, top_k, seed, stop,
+        on_text.
+        """
+        return self.generator.generate(self.loaded.encode_prompt(prompt, chat=chat), drafter=self.drafter, **options)
 
     def close(self) -> None:
         """Close what the drafter opened (its store, its dense part)."""
