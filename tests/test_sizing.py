@@ -107,11 +107,13 @@ def test_a_second_generator_loads_the_cached_calibration(home: Path, measured: l
     lines: list[str] = []
     first = SpeculativeGenerator(tiny_model("llama", seed=1), IdTokenizer(), on_progress=lines.append).cost()
     assert measured == ["torch.float32"]
-    assert len(lines) == 1 and lines[0].startswith("calibrating the draft cost model for llama on cpu/float32")
+    assert lines[0].startswith("calibrating the draft cost model for llama on cpu/float32")
+    rounds = [line.split(" done")[0] for line in lines[1:]]  # progress after each round: never silent for minutes
+    assert rounds == [f"calibrating: round {i} of 3" for i in (1, 2, 3)], lines
     [cached] = (home / "calibration").glob("*.json")
     assert not list((home / "calibration").glob("*.tmp"))  # written through a temporary file, renamed
     again = SpeculativeGenerator(tiny_model("llama", seed=1), IdTokenizer(), on_progress=lines.append).cost()
-    assert measured == ["torch.float32"] and len(lines) == 1  # loaded: no timing, no progress line
+    assert measured == ["torch.float32"] and len(lines) == 4  # loaded: no timing, no progress line
     np.testing.assert_array_equal(again.seconds, first.seconds)
     given = CostModel([1, 2], [1.0, 2.0])
     assert SpeculativeGenerator(tiny_model("llama"), IdTokenizer(), cost=given).cost() is given

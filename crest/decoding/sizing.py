@@ -63,8 +63,8 @@ def calibrate(
 ) -> CostModel:
     """Return the model's cost curve: known in this process, else cached in CREST_HOME, else measured and saved.
 
-    `on_progress` receives one line before a measurement (a minute or two on a CPU); the same line is logged
-    at INFO on the `crest.decoding.sizing` logger.
+    `on_progress` receives one line before a measurement (a minute or two on a CPU) and one after each of its
+    rounds over the sizes; the first line is also logged at INFO on the `crest.decoding.sizing` logger.
     """
     key = calibration_key(model, sizes=sizes, context=context, repeats=repeats)
     path = calibration_path(key)
@@ -79,7 +79,7 @@ def calibrate(
             log.info(line)
             if on_progress is not None:
                 on_progress(line)
-            cost = measure_costs(model, sizes=sizes, context=context, repeats=repeats)
+            cost = measure_costs(model, sizes=sizes, context=context, repeats=repeats, on_round=on_progress)
             _save(path, key, cost)
         known[path.name] = cost
     return known[path.name]
@@ -140,8 +140,18 @@ def _save(path: Path, key: dict[str, Any], cost: CostModel) -> None:
         log.warning("cannot cache the draft cost model in %s: %s", path.parent, exc)
 
 
-def measure_costs(model: Any, *, sizes: Sequence[int], context: int, repeats: int) -> CostModel:
-    """Measure the best of `repeats` forward times of k tokens after a cache of `context` tokens, per size k."""
+def measure_costs(
+    model: Any,
+    *,
+    sizes: Sequence[int],
+    context: int,
+    repeats: int,
+    on_round: Callable[[str], None] | None = None,
+) -> CostModel:
+    """Measure the best of `repeats` forward times of k tokens after a cache of `context` tokens, per size k.
+
+    `on_round` receives a line after each round over the sizes (`calibrating: round 2 of 3 done, 41 s`).
+    """
     from transformers import DynamicCache
 
     param = next(model.parameters())
@@ -155,7 +165,9 @@ def measure_costs(model: Any, *, sizes: Sequence[int], context: int, repeats: in
     with torch.no_grad():
         cache: Any = DynamicCache()
         model(ids, past_key_values=cache, use_cache=True)
-        for _ in range(max(1, repeats)):  # rounds over all sizes: a burst of load spoils one round, not one size
+        start = time.perf_counter()
+        rounds = max(1, repeats)
+        for done in range(1, rounds + 1):  # rounds over all sizes: a burst of load spoils one round, not one size
             for k in sizes:
                 step = torch.randint(0, vocab, (1, k), generator=gen).to(param.device)
                 pos = torch.arange(context, context + k, device=param.device).view(1, -1)
@@ -166,6 +178,8 @@ def measure_costs(model: Any, *, sizes: Sequence[int], context: int, repeats: in
                 best[k] = min(best[k], time.perf_counter() - t0)
                 for layer in cache.layers:  # drop the k entries just added
                     layer.keys, layer.values = layer.keys[:, :, :context], layer.values[:, :, :context]
+            if on_round is not None:
+                on_round(f"calibrating: round {done} of {rounds} done, {time.perf_counter() - start:.0f} s")
     return CostModel(sizes, [best[k] for k in sizes])
 
 
