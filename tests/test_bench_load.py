@@ -19,7 +19,10 @@ def test_load_figures_are_sane(db_dsn: str, cache: bool) -> None:
     figures = bench_load(db_dsn, "demo", concurrency=3, processes=2, seconds=0.5, cache=cache)
     assert figures.errors == 0
     assert figures.lookups > 0 and figures.drafts == figures.lookups  # every context ends in a stored n-gram
-    assert 0.4 < figures.seconds < 5
+    # it ran the time asked (a lower bound: a loaded machine only adds); its end is the bench's own deadline (the
+    # threads stop starting lookups at it, and a process that sent nothing within seconds + 120 is an error), not
+    # a bound on this machine's speed
+    assert figures.seconds > 0.4
     assert figures.lookups_per_second == pytest.approx(figures.lookups / figures.seconds)
     assert 0 < figures.median_us <= figures.p99_us <= figures.max_us
 

@@ -156,6 +156,8 @@ def test_two_servers_race_to_refresh_and_draft_each_others_outputs(
         )
     assert [server.exit_code for server in servers] == [0, 0]  # drained on SIGTERM
     assert all(c["nothing"] > 0 and c["failed"] == 0 for c in counts), counts  # both refreshers ran, none failed
+    # they contended: a refresh found the other server's refresh holding the store's lock and skipped
+    assert sum(c.get("busy", 0) for c in counts) > 0, counts
     with psycopg.connect(race_dsn, autocommit=True) as conn:
         published = conn.execute(
             "SELECT version, through_id, kept, ngram_rows, vocab_rows, has_data, attached FROM race_published"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +81,12 @@ def refresh_live(
     reporter: Reporter | None = None,
     incremental: bool = True,
     dense_window: int = DEFAULT_LEARN_DENSE_WINDOW,
+    on_busy: Callable[[], None] | None = None,
 ) -> RefreshResult | None:
     """Build and publish a live version of `store` from its last `window` learned tokens; None when skipped.
 
     With a dense part in the static version, the live version gets one from the last `dense_window` recorded states.
+    `on_busy` is called when it is skipped because another refresh of the store holds its lock.
     """
     check_store_name(store)
     for label, value, low in (
@@ -99,6 +102,8 @@ def refresh_live(
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", refresh_lock_key(store)).fetchone()
         if not (got and got[0]):
             log.info("store %r: another refresh is running, skipped", store)
+            if on_busy is not None:
+                on_busy()
             return None
         try:
             return _refresh(

@@ -3,8 +3,8 @@
 A `Refresher` calls `crest.learning.refresh_live` for every store it is given every `interval` seconds, in a
 daemon thread; `crest serve` runs one for the stores it opened, and crest's vLLM proposer one for its store, so a
 fleet learns without a separate `crest refresh`. Concurrent refreshes of one store from several processes are
-serialised by `refresh_live` (one publishes, the others find nothing new). Failures are counted and logged once
-per kind, never raised.
+serialised by `refresh_live`: one publishes, the others skip while it holds the lock (busy) or find nothing new.
+Failures are counted and logged once per kind, never raised.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from crest_client.names import resolve_dsn
 
@@ -61,9 +62,13 @@ class Refresher:
             self._thread.join(timeout)
 
     def refresh_once(self) -> dict[str, str]:
-        """Refresh every opened store once; return each store's result: published, nothing or failed."""
+        """Refresh every opened store once; return each store's result: published, nothing, busy or failed.
+
+        busy: another refresh of the store (another process's) held its lock, so this one skipped it.
+        """
         results: dict[str, str] = {}
         for name in list(self.stores()):
+            busy: list[bool] = []
             try:
                 found = refresh_live(
                     resolve_dsn(self.dsn),
@@ -71,8 +76,9 @@ class Refresher:
                     window=self.window,
                     min_new_tokens=self.min_new_tokens,
                     dense_window=self.dense_window,
+                    on_busy=partial(busy.append, True),
                 )
-                results[name] = "nothing" if found is None else "published"
+                results[name] = "published" if found is not None else "busy" if busy else "nothing"
             except Exception as exc:  # a database that is down or a failed build costs this refresh only
                 results[name] = "failed"
                 self._warn(name, exc)
@@ -84,7 +90,7 @@ class Refresher:
             self.refresh_once()
 
     def _count(self, result: str) -> None:
-        self.counts[result] += 1
+        self.counts[result] = self.counts.get(result, 0) + 1  # busy: counted once it happens
         if self.on_result is not None:
             try:
                 self.on_result(result)

@@ -80,7 +80,7 @@ class ServerMetrics:
         )
         self.live_refreshes = Counter("crest_live_refresh", "Live-tier refreshes by result", ["result"], registry=r)
         self._stores: _StoreCounters | None = None  # the opened stores' lookup counters (`watch_stores`)
-        for result in ("published", "nothing", "failed"):
+        for result in ("published", "nothing", "busy", "failed"):
             self.live_refreshes.labels(result)
 
     def observe_step(self, *, rows: int, accepted: list[int], draft_seconds: float) -> None:
