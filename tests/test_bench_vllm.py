@@ -58,6 +58,10 @@ def test_methods_and_exactness() -> None:
 
 def test_the_report_has_one_table_per_workload() -> None:
     figures = serve_figures([], mode="server", drafter="suffix", concurrency=8, wall=1.0)
-    rows = [PassRow("suffix", "humaneval", "B", figures, 40.0, 30.0, 12, 2.5)]
+    rows = [
+        PassRow("suffix", "humaneval", "B", figures, 40.0, 30.0, 12, 2.5),
+        PassRow("suffix", "fleet", "phase 1", figures, 0, 0, 3, 1.0, 4),
+    ]
     text = markdown(rows)
     assert text.startswith("**humaneval**") and "| suffix | B | 8 |" in text and "| 30 / 40 |" in text
+    assert "| 12/0 |" in text and "| 3/4 |" in text and "**fleet**" in text

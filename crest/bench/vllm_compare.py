@@ -161,6 +161,7 @@ class PassRow:
     accepted: float
     same_as_none: int | None = None
     load: float = 0.0  # the 1-minute load average when the pass ended
+    prompts: int = 0  # distinct prompts (a fleet serves each twice; exactness counts each prompt's first text)
 
 
 def run_pass(
@@ -232,7 +233,7 @@ class Run:
         if method.name == "none":
             self.reference[workload, label] = texts
         same = same_texts(texts, self.reference.get((workload, label), reference))
-        row = PassRow(method.name, workload, label, figures, drafted, accepted, same, os.getloadavg()[0])
+        row = PassRow(method.name, workload, label, figures, drafted, accepted, same, os.getloadavg()[0], len(texts))
         self.rows.append(row)
         self.note(
             f"{method.name} {workload} {label}: {figures.output_tokens_per_second:.1f} tokens/s, "
@@ -316,7 +317,7 @@ def markdown(rows: Sequence[PassRow]) -> str:
             if r.workload != workload:
                 continue
             f = r.figures
-            same = "-" if r.same_as_none is None else f"{r.same_as_none}/{f.requests}"
+            same = "-" if r.same_as_none is None else f"{r.same_as_none}/{r.prompts or f.requests}"
             lines.append(
                 f"| {r.method} | {r.label} | {f.concurrency} | {f.output_tokens_per_second:.1f} | "
                 f"{f.mean_accepted_length:.2f} | {r.accepted:.0f} / {r.drafted:.0f} | {f.ttft_ms_p50:.0f} | "
