@@ -92,6 +92,7 @@ class Store:
         self._checked = time.monotonic()
         self._warned: set[str] = set()
         self._loader: threading.Thread | None = None  # reads a newly published version off the lookup path
+        self._read_wait = max(1.0, 100 * self._timeout)  # its statements' timeout: a table read, not a lookup
         self._load_result: bool | None = None  # the last load: True followed, False could not be followed
         self.stats = {"lookups": 0, "hits": 0, "errors": 0, "timeouts": 0, "queries": 0}
 
@@ -278,7 +279,7 @@ class Store:
         if self._learner is not None:
             self._learner.close()
         if self._loader is not None:
-            self._loader.join(max(1.0, 100 * self._timeout) + 1.0)  # bounded by the version read's data timeout
+            self._loader.join(2 * self._read_wait + 1.0)  # bounded by the version read's two statement timeouts
         self._conns.close()
 
     def __enter__(self) -> Store:
@@ -305,13 +306,9 @@ class Store:
         self._warn_once("codec", f"store {self.name!r} has a corrupt tree (treated as a miss): {error}")
 
     def _switch_version(self) -> bool | None:
-        """Re-read which versions are published; on a change, follow them (read in the background) and drop caches.
-
-        A new version's token table and key filter are read by a background thread: the calling lookup waits for
-        it at most one lookup timeout, then goes on with the version it knows (still published until dropped).
-        Return True when the version read is current, False when a new one is not followed (yet, or at all), and
-        None when the database did not answer.
-        """
+        """Re-read which versions are published; follow a change, read by a thread the lookup waits for at most one
+        lookup timeout (it drafts from the version it knows meanwhile). Return True: current, False: a new one not
+        followed (yet, or at all), None: the database did not answer."""
         self._checked = time.monotonic()
         try:
             res = self._conns.run_params(PUBLISHED_SQL, [self.name.encode()])
@@ -344,19 +341,17 @@ class Store:
         self._load_result = False
         if static_id != self.info.id:
             try:
-                # a new version's data is read once; give it more than a lookup's timeout
-                connection = self._conns.connection
-                info = read_info(connection, self.name, known=self.info, data_timeout=max(1.0, 100 * self._timeout))
+                conn, wait = self._conns.connection, self._read_wait  # read once: more than a lookup's timeout
+                info = read_info(conn, self.name, known=self.info, data_timeout=wait, info_timeout=wait)
             except Exception as exc:  # store dropped or database gone: keep serving misses
                 self._warn_once("switch", f"store {self.name!r} changed and could not be re-read: {exc}")
                 return
             if self._fingerprint is not None and info.fingerprint != self._fingerprint:
                 self._warn_once("fingerprint", f"store {self.name!r} was republished with another tokenizer")
                 return
-            if info.id != self.info.id:
-                with self._lock:
-                    self.info = info
-                    self._caches.clear(0)
+            with self._lock:
+                self.info = info
+                self._caches.clear(0)
         if live_id != (self.live.id if self.live is not None else None):
             self._switch_live(live_id)
         self._load_result = True
@@ -366,8 +361,8 @@ class Store:
         live = None
         if live_id is not None:
             try:
-                connection = self._conns.connection
-                live = read_live(connection, self.name, self.info, data_timeout=max(1.0, 100 * self._timeout))
+                wait = self._read_wait
+                live = read_live(self._conns.connection, self.name, self.info, data_timeout=wait, info_timeout=wait)
             except Exception as exc:  # keep the live version we know; the next check tries again
                 self._warn_once("live", f"store {self.name!r}: its live tier could not be read: {exc}")
                 return

@@ -20,6 +20,7 @@ from crest.cli.bench_ceiling_commands import bench_ceiling_cmd
 from crest.cli.bench_dense_commands import bench_dense_cmd
 from crest.cli.bench_display import report_run
 from crest.cli.bench_learn_commands import bench_learn_cmd, bench_learn_loop_cmd
+from crest.cli.bench_proposer_commands import bench_proposer_cmd
 from crest.cli.bench_serve_commands import bench_serve_cmd
 from crest.cli.bench_vllm_commands import bench_vllm_cmd
 from crest.cli.options import (
@@ -217,6 +218,7 @@ def bench_generate_cmd(
 
 bench_app.command("serve")(bench_serve_cmd)  # registered after generate: `crest bench --help` lists them in this order
 bench_app.command("accept")(bench_accept_cmd)
+bench_app.command("proposer")(bench_proposer_cmd)
 bench_app.command("ceiling")(bench_ceiling_cmd)
 bench_app.command("dense")(bench_dense_cmd)
 bench_app.command("vllm")(bench_vllm_cmd)

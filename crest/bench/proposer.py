@@ -1,0 +1,137 @@
+"""`crest bench proposer`: crest's vLLM proposer driven as vLLM's runner drives it, without vLLM or a model.
+
+Each request follows a known text (the prompt is its first tokens, the output the next ones): a stand-in runner
+verifies every chain greedily against it (the longest right prefix plus one token, as vLLM does), so what is
+measured is the proposer alone: M (new tokens per row and target forward) and the proposer's own time per step,
+p50 and p99, as its INFO line says them. Two passes over the same requests, as in the `suffix` comparison of
+docs/vllm.md: first sight one at a time, then again `concurrency` at a time, with the recent tier on and off (the
+store's learned rows forgotten before each), so the recent tier's share is the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import patch
+
+import numpy as np
+
+
+@dataclass
+class PassFigures:
+    """One pass: its requests' new tokens, accepted draft tokens and the proposer's time per step."""
+
+    label: str
+    recent: bool
+    concurrency: int
+    tokens: int
+    accepted: int
+    step_ms: list[float]
+
+    def row(self) -> dict[str, Any]:
+        """Return the figures as one printable row."""
+        ms = np.array(self.step_ms) if self.step_ms else np.zeros(1)
+        return {
+            "pass": self.label,
+            "recent tier": "on" if self.recent else "off",
+            "concurrency": self.concurrency,
+            "M": round(self.tokens / max(1, self.tokens - self.accepted), 3),
+            "proposer ms/step p50": round(float(np.percentile(ms, 50)), 3),
+            "p99": round(float(np.percentile(ms, 99)), 3),
+        }
+
+
+class _Runner:
+    """vLLM's model runner as the proposer sees it: the batch's request ids, and chains verified against targets."""
+
+    def __init__(self, proposer: Any, requests: list[tuple[str, list[int], list[int]]]) -> None:
+        self.proposer = proposer
+        self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, np.int32))
+        self.requests = {
+            rid: SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=len(out), stop_token_ids=[],
+                                 all_stop_token_ids=set(), ignore_eos=True, min_tokens=0))
+            for rid, _, out in requests
+        }  # fmt: skip
+        self.targets = {rid: prompt + out for rid, prompt, out in requests}
+        self.prompts = {rid: len(prompt) for rid, prompt, _ in requests}
+        self.tokens = {rid: list(prompt) for rid, prompt, _ in requests}
+        self.drafts: dict[str, list[int]] = {}
+        self.accepted = 0
+
+    def run(self) -> None:
+        """Step until every request has its whole output, and once more (the proposer sees them gone)."""
+        while self.tokens:
+            self.step()
+        self.step()
+
+    def step(self) -> None:
+        sampled = []
+        for rid, have in self.tokens.items():
+            target, draft = self.targets[rid], self.drafts.get(rid, [])
+            right = 0
+            while right < len(draft) and len(have) + right < len(target) and draft[right] == target[len(have) + right]:
+                right += 1
+            sampled.append(target[len(have) : len(have) + right + 1])
+            have.extend(sampled[-1])
+            self.accepted += right
+        ids = list(self.tokens)
+        self.input_batch.req_ids = ids
+        self.input_batch.num_prompt_tokens = np.array([self.prompts[r] for r in ids], np.int32)
+        lengths = np.array([len(self.tokens[r]) for r in ids], np.int32)
+        width = max([int(n) for n in lengths] + [1])
+        token_ids = np.zeros((len(ids), width), np.int32)
+        for i, r in enumerate(ids):
+            token_ids[i, : lengths[i]] = self.tokens[r]
+        scheduler_output = SimpleNamespace(total_num_scheduled_tokens=int(lengths.sum()))
+        self.drafts = dict(zip(ids, self.propose_draft_token_ids(scheduler_output, sampled, lengths, token_ids),
+                               strict=True))  # fmt: skip
+        for r in ids:
+            if len(self.tokens[r]) >= len(self.targets[r]):
+                del self.tokens[r]
+
+    def propose_draft_token_ids(self, scheduler_output: Any, sampled: Any, lengths: Any, token_ids: Any) -> Any:
+        """Call the proposer from a frame that holds the batch, as vLLM's runner method does."""
+        return self.proposer.propose(sampled, lengths, token_ids)
+
+
+def run_passes(
+    store: str,
+    requests: list[tuple[list[int], list[int]]],
+    *,
+    dsn: str | None,
+    k: int = 8,
+    concurrency: int = 8,
+    vocab: int = 49152,
+) -> list[PassFigures]:
+    """Return the two passes' figures with the recent tier off, then on (the store's learned rows forgotten first)."""
+    import crest.integrations.vllm as vllm_proposer
+    from crest.config import VllmSettings, resolve_dsn
+    from crest.learning.forget import forget
+
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=1 << 16, tokenizer="", model="", get_vocab_size=lambda: vocab),
+    )
+    found: list[PassFigures] = []
+    for recent in (False, True):
+        forget(resolve_dsn(dsn), store)
+        settings = VllmSettings(store=store, dsn=dsn, read_dsn=dsn, refresh_interval=0, report_interval=0,
+                                recent=recent, feed_interval=0)  # fmt: skip
+        with patch.object(vllm_proposer, "tokenizer_fingerprint", lambda _config: None):  # the store's tokenizer
+            proposer = vllm_proposer.CrestProposer(config, settings=settings, idle_learn=0)
+        try:
+            for label, width in (("first sight", 1), ("again", concurrency)):
+                before = len(proposer.report.seconds)
+                tokens = accepted = 0
+                for start in range(0, len(requests), width):
+                    batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
+                    runner = _Runner(proposer, batch)
+                    runner.run()
+                    tokens += sum(len(out) for _, _, out in batch)
+                    accepted += runner.accepted
+                ms = [s * 1e3 for s in proposer.report.seconds[before:]]
+                found.append(PassFigures(label, recent, width, tokens, accepted, ms))
+        finally:
+            proposer.close()
+    return found

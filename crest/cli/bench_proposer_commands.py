@@ -1,0 +1,55 @@
+"""`crest bench proposer`: crest's vLLM proposer alone, driven as vLLM's runner drives it (registered by
+`crest.cli.bench_commands`; the benchmark lives in `crest.bench.proposer`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from crest.cli.options import Dsn, StoreName, Tokenizer
+
+
+def bench_proposer_cmd(
+    store: StoreName,
+    inputs: Annotated[
+        str | None,
+        typer.Option(
+            help="Files (a glob) whose texts the requests follow (default: the standard library's "
+            "subpackage modules, held out from the set-up's store of its top-level modules)."
+        ),
+    ] = None,
+    tokenizer: Tokenizer = "smollm2",
+    limit: Annotated[int, typer.Option(help="Requests (files long enough, in name order).")] = 16,
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens of each request's prompt.")] = 100,
+    output_tokens: Annotated[int, typer.Option(help="Tokens of each request's output.")] = 128,
+    k: Annotated[int, typer.Option("-k", help="num_speculative_tokens: the longest chain.")] = 8,
+    concurrency: Annotated[int, typer.Option(help="Requests at once on the second pass.")] = 16,
+    dsn: Dsn = None,
+) -> None:
+    """M and the proposer's own time per step on two passes (first sight, again), recent tier off and on.
+
+    Forgets what the store learned (its learned rows and live tier) before each configuration. Prints JSON rows.
+    """
+    import glob
+    import sysconfig
+
+    from crest.bench.proposer import run_passes
+    from crest.decoding.tokenizer import load_tokenizer
+
+    pattern = inputs or sysconfig.get_path("stdlib") + "/*/*.py"
+    encode = load_tokenizer(tokenizer).hf
+    need = prompt_tokens + output_tokens
+    requests = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = [int(t) for t in encode.encode(f.read(), add_special_tokens=False)[:need]]
+        if len(ids) == need:
+            requests.append((ids[:prompt_tokens], ids[prompt_tokens:]))
+        if len(requests) == limit:
+            break
+    if not requests:
+        raise typer.BadParameter(f"no file of {pattern!r} holds {need} tokens", param_hint="--inputs")
+    for figures in run_passes(store, requests, dsn=dsn, k=k, concurrency=concurrency):
+        typer.echo(json.dumps(figures.row()))
