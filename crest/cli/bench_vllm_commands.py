@@ -40,10 +40,10 @@ def bench_vllm_cmd(
     """
     import sysconfig
 
-    from crest.ingest.prompts import load_prompts
     from crest.bench.vllm_compare import Run, Workloads, markdown, run_fleet, run_method, standard_methods
     from crest.bench.vllm_workloads import edit_requests, humaneval_requests, stdlib_functions
     from crest.errors import ConfigError
+    from crest.ingest.prompts import load_prompts
 
     known = standard_methods(store)
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
