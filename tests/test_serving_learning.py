@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,7 +84,12 @@ def engine(model: Any, tokenizer: Any, dsn: str, learning: LearnOptions | None, 
 def complete(found: Engine, prompt: list[int], *, max_tokens: int = 16, learn: bool = True, **kw: Any) -> Any:
     """Return the outcome of one greedy request through the engine."""
     job = found.request(prompt, drafter=kw.pop("drafter", None), store=None, prediction=None, max_tokens=max_tokens)
-    return found.submit(job, learn=learn).result(timeout=120)
+    future = found.submit(job, learn=learn)
+    taught = threading.Event()  # done-callbacks run in order: this one after the engine's, which teaches the store
+    future.add_done_callback(lambda _: taught.set())
+    outcome = future.result(timeout=120)
+    assert taught.wait(120), "the finished request was never handed to its store's learner"
+    return outcome
 
 
 def learned(dsn: str) -> list[tuple[list[int], int, str]]:

@@ -269,12 +269,12 @@ class DraftHub:
         if not output:
             return
         ids, tail = served_tokens(prompt, output, max_n=self.max_n(name))
+        learner = self.learner(name)
+        if learner is not None:  # queued first: a flush right after the request's answer finds it
+            learner.learn(ids, prompt_tokens=tail, stats=dict(stats or {}), dense=dense)
         recent = self.recent(name)
         if recent is not None:
             recent.add(np.asarray(ids, dtype=np.int64))
-        learner = self.learner(name)
-        if learner is not None:
-            learner.learn(ids, prompt_tokens=tail, stats=dict(stats or {}), dense=dense)
 
     def _dense_missing(self, store: str) -> bool:
         """Return whether store `store` has no dense part this process can use (said once, at its first try)."""
