@@ -112,19 +112,22 @@ class LearnedFeed:
         """Add the store's last learned rows, up to the index's capacity in tokens, oldest first."""
         budget = self.warm_tokens if self.warm_tokens is not None else int(index.options.capacity)
         rows: list[np.ndarray] = []
-        total = 0
-        with conn.transaction(), conn.cursor(name="crest_feed_warm") as cur:
-            cur.itersize = _BATCH
-            cur.execute("SELECT id, tokens, source FROM crest_learned WHERE store = %s ORDER BY id DESC", (name,))
-            for sid, data, source in cur:  # newest first
+        total, below = 0, 2**63 - 1
+        while total < budget:  # newest first, a page at a time (no server cursor to leave open if the link drops)
+            page = conn.execute(
+                "SELECT id, tokens, source FROM crest_learned WHERE store = %s AND id < %s ORDER BY id DESC LIMIT %s",
+                (name, below, _BATCH),
+            ).fetchall()
+            conn.commit()
+            for sid, data, source in page:
                 cursor.take(int(sid))
-                if source == self.source or total >= budget:
-                    if total >= budget:
-                        break
-                    continue
-                tokens = np.frombuffer(bytes(data), dtype="<u4").astype(np.int64)
-                rows.append(tokens)
-                total += len(tokens) + 1
+                if source != self.source and total < budget:
+                    tokens = np.frombuffer(bytes(data), dtype="<u4").astype(np.int64)
+                    rows.append(tokens)
+                    total += len(tokens) + 1
+            if len(page) < _BATCH:
+                break
+            below = int(page[-1][0])
         for tokens in reversed(rows):
             index.add(tokens)
         self._count(len(rows), total)
