@@ -7,7 +7,7 @@ node arrays is itself a valid (and, for stored trees, the best) subtree of that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,6 +21,8 @@ class Draft:
     weights: np.ndarray  # [T] int64, continuations through the node, non-increasing
     n: int = 0  # length of the matched context suffix
     total: int = 0  # the root's weight, of which root children's weights are fractions; 0 = their sum
+    # `path_probabilities`' answer, kept: a draft's arrays are never changed once made
+    probabilities: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -75,17 +77,38 @@ def path_probabilities(draft: Draft) -> np.ndarray:
 
     A root child's share is its weight over `draft.total` when that is set and larger than the root children's sum.
     """
+    if draft.probabilities is None:
+        prob = _path_probabilities(draft)
+        prob.flags.writeable = False  # shared by every caller
+        object.__setattr__(draft, "probabilities", prob)
+    return draft.probabilities  # type: ignore[return-value]
+
+
+def _path_probabilities(draft: Draft) -> np.ndarray:
     weights = np.maximum(draft.weights.astype(np.float64), 0.0)  # [T]
+    size = weights.shape[0]
     roots = draft.parents < 0
     total = max(float(weights[roots].sum()), float(draft.total)) or 1.0
-    prob = np.zeros(len(draft), dtype=np.float64)  # [T]
-    parents = draft.parents.tolist()
-    for i, p in enumerate(parents):
+    if size and is_chain(draft):  # one path (vLLM's case): a running product of the weight ratios
+        ratio = np.empty(size, dtype=np.float64)  # [T]
+        ratio[0] = weights[0] / total
+        above = weights[:-1]
+        ratio[1:] = np.where(above > 0, np.minimum(1.0, weights[1:] / np.where(above > 0, above, 1.0)), 0.0)
+        return np.cumprod(ratio)
+    w = weights.tolist()  # Python floats: a node at a time, parents before children
+    prob = [0.0] * size
+    for i, p in enumerate(draft.parents.tolist()):
         if p < 0:
-            prob[i] = weights[i] / total
+            prob[i] = w[i] / total
         else:
-            prob[i] = prob[p] * (min(1.0, weights[i] / weights[p]) if weights[p] > 0 else 0.0)
-    return prob
+            prob[i] = prob[p] * (min(1.0, w[i] / w[p]) if w[p] > 0 else 0.0)
+    return np.asarray(prob, dtype=np.float64)
+
+
+def is_chain(draft: Draft) -> bool:
+    """Return whether the draft is one path: every node the child of the node before it."""
+    parents = draft.parents
+    return bool(parents.shape[0] == 0 or (parents[0] < 0 and (np.diff(parents) == 1).all()))
 
 
 def empty_draft(n: int = 0) -> Draft:

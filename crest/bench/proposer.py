@@ -28,6 +28,7 @@ class PassFigures:
     tokens: int
     accepted: int
     step_ms: list[float]
+    cpu_ms: list[float]
 
     def row(self) -> dict[str, Any]:
         """Return the figures as one printable row."""
@@ -39,6 +40,7 @@ class PassFigures:
             "M": round(self.tokens / max(1, self.tokens - self.accepted), 3),
             "proposer ms/step p50": round(float(np.percentile(ms, 50)), 3),
             "p99": round(float(np.percentile(ms, 99)), 3),
+            "CPU ms/step p50": round(float(np.percentile(self.cpu_ms or [0.0], 50)), 3),
         }
 
 
@@ -131,7 +133,8 @@ def run_passes(
                     tokens += sum(len(out) for _, _, out in batch)
                     accepted += runner.accepted
                 ms = [s * 1e3 for s in proposer.report.seconds[before:]]
-                found.append(PassFigures(label, recent, width, tokens, accepted, ms))
+                cpu = [s * 1e3 for s in proposer.report.cpu[before:]]
+                found.append(PassFigures(label, recent, width, tokens, accepted, ms, cpu))
         finally:
             proposer.close()
     return found

@@ -27,7 +27,8 @@ class StoreLease:
 
     def __init__(self, store: Any, *, recent: Any = None) -> None:
         self.store = store
-        self.recent = recent  # the store's in-process recent tier (`crest.drafters.recent.RecentIndex`), or None
+        # the store's in-process recent tier (`crest.drafters.recent.RecentIndex`) seen through this row's memo
+        self.recent = RecentView(recent) if recent is not None else None
         self._ready: tuple[int, list[Draft | None]] | None = None  # (context length, prefetched [static, live])
 
     @property
@@ -57,6 +58,25 @@ class StoreLease:
     def _take(self, context_length: int) -> list[Draft | None] | None:
         ready, self._ready = self._ready, None
         return ready[1] if ready is not None and ready[0] == context_length else None
+
+
+class RecentView:
+    """One row's view of a shared recent tier: the last lookup is kept, so asking again for the same context (the
+    proposer's deep-match check, then the row's merged drafter) costs one lookup."""
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+        self._last: tuple[int, int, int, Draft | None] | None = None  # (context length, last token, nodes, tree)
+
+    def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
+        """Return the recent tier's tree for the context (the kept one when this context was just asked)."""
+        key = (len(context_ids), int(context_ids[-1]) if len(context_ids) else -1, int(max_nodes))
+        last = self._last
+        if last is not None and last[:3] == key:
+            return last[3]
+        tree: Draft | None = self.index.draft(context_ids, max_nodes)
+        self._last = (*key, tree)
+        return tree
 
 
 def _cut(draft: Draft | None, max_nodes: int) -> Draft | None:

@@ -55,6 +55,7 @@ class DraftReport:
         self.total_drafted = self.total_accepted = 0
         self.seconds: list[float] = []  # the proposer's own time of each step since the last line
         self.per_row: list[float] = []  # the same, per row of the step
+        self.cpu: list[float] = []  # the proposer thread's CPU time of each step (no waiting for the database)
         self._since = time.monotonic()
         self._seen = dict(stats() if stats is not None else {})
 
@@ -65,10 +66,12 @@ class DraftReport:
         self.total_drafted += drafted
         self.total_accepted += accepted
 
-    def step(self, *, seconds: float = 0.0, rows: int = 1) -> None:
-        """Count a step that took the proposer `seconds` for `rows` rows; say the line when `every` seconds passed."""
+    def step(self, *, seconds: float = 0.0, cpu: float = 0.0, rows: int = 1) -> None:
+        """Count a step that took the proposer `seconds` (`cpu` of them on its CPU) for `rows` rows; say the line
+        when `every` seconds passed."""
         self.steps += 1
         self.seconds.append(seconds)
+        self.cpu.append(cpu)
         self.per_row.append(seconds / max(1, rows))
         self.say()
 
@@ -83,11 +86,12 @@ class DraftReport:
             share = 100.0 * self.accepted / max(1, self.drafted)
             p50, p99 = (float(np.percentile(self.seconds, q)) * 1e3 for q in (50, 99))
             row = float(np.percentile(self.per_row, 50)) * 1e3
+            cpu = float(np.percentile(self.cpu, 50)) * 1e3
             line = (
                 f"crest proposer, last {now - self._since:.0f} s: {self.steps} steps, {self.drafted} draft tokens "
                 f"verified, {self.accepted} accepted ({share:.0f}%); since start {self.total_drafted} verified, "
                 f"{self.total_accepted} accepted; proposer time per step p50 {p50:.2f} ms, p99 {p99:.2f} ms "
-                f"({row:.3f} ms per row)"
+                f"({row:.3f} ms per row; CPU p50 {cpu:.2f} ms)"
             )
             if self.stats is not None:
                 d = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in LOOKUP_COUNTS}
@@ -97,6 +101,6 @@ class DraftReport:
                 )
             log.info(line)
         self.steps = self.drafted = self.accepted = 0
-        self.seconds, self.per_row = [], []
+        self.seconds, self.per_row, self.cpu = [], [], []
         self._since, self._seen = now, stats
         return line

@@ -89,13 +89,15 @@ def last_states(states: Any, meta: Any, sampled: list[list[int]]) -> list[np.nda
     return found
 
 
-def stop_at(output: list[int], params: Any) -> int | None:
-    """Return how many output tokens the request keeps when it has finished (stop token, max_tokens), else None."""
+def stop_at(output: list[int], params: Any, *, since: int = 0) -> int | None:
+    """Return how many output tokens the request keeps when it has finished (stop token, max_tokens), else None.
+
+    `since`: output tokens already checked (earlier steps found no stop token among them)."""
     stops = set(getattr(params, "stop_token_ids", None) or ())
     if not getattr(params, "ignore_eos", False):
         stops |= set(getattr(params, "all_stop_token_ids", None) or getattr(params, "_all_stop_token_ids", None) or ())
     first = int(getattr(params, "min_tokens", 0) or 0)
-    for j in range(first, len(output)):
+    for j in range(max(first, since), len(output)):
         if output[j] in stops:
             return j + 1
     wanted = getattr(params, "max_tokens", None)

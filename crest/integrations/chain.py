@@ -9,9 +9,10 @@ chain below a node is the node's own probability plus the best chain below one o
 from __future__ import annotations
 
 import numpy as np
-from crest_client.draft import Draft, empty_draft, path_probabilities
+from crest_client.draft import Draft, empty_draft, is_chain, path_probabilities
 
 from crest.decoding.tree import limit_depth
+from crest.learning.requests import path_length
 
 
 def best_chain(draft: Draft | None, *, depth: int) -> Draft:
@@ -21,6 +22,9 @@ def best_chain(draft: Draft | None, *, depth: int) -> Draft:
     """
     if draft is None or len(draft) == 0 or depth <= 0:
         return empty_draft()
+    if is_chain(draft):  # its only path (the recent tier's usual answer)
+        total = max(int(draft.weights[0]), int(draft.total))
+        return Draft(draft.tokens[:depth], draft.parents[:depth], draft.weights[:depth], draft.n, total)
     tree = limit_depth(draft, depth)
     prob = path_probabilities(tree)  # [T]
     parents = tree.parents.tolist()
@@ -40,3 +44,55 @@ def best_chain(draft: Draft | None, *, depth: int) -> Draft:
     total = max(int(tree.weights[tree.parents < 0].sum()), int(tree.total))
     chain_parents = np.arange(-1, len(path) - 1, dtype=np.int32)
     return Draft(tree.tokens[at], chain_parents, tree.weights[at], tree.n, total)
+
+
+def chain_parts(parts: dict[str, Draft], chain: Draft) -> dict[str, int]:
+    """Return, per part, how many leading tokens of `chain` its tree holds as one path from its root."""
+    tokens = chain.tokens.tolist()
+    return {name: path_length(tree, tokens) for name, tree in parts.items()}
+
+
+class ChainStream:
+    """The rest of a row's last best chain: drafted again, with no lookup, while the target keeps following it.
+
+    A chain is chosen from a tree as deep as the lookup allows (a deep match continues for dozens of tokens), but
+    a step verifies at most K of them. When the step accepts the whole handed chain and its bonus token is the
+    chain's next one, the target is still on that path, so the rest is the next step's chain: its nodes' path
+    probabilities are conditioned on the consumed prefix (the total becomes the last consumed node's weight).
+    `parts` says how many leading tokens each part's tree held, for the per-part accepted counts.
+    """
+
+    __slots__ = ("at", "chain", "parts")
+
+    def __init__(self) -> None:
+        self.chain = empty_draft()
+        self.at = -1  # the context length the chain continues
+        self.parts: dict[str, int] = {}
+
+    def start(self, chain: Draft, parts: dict[str, int], *, at: int) -> None:
+        """Follow `chain`, drafted for a context of `at` tokens (its first tokens are handed out this step)."""
+        self.chain, self.parts, self.at = chain, parts, at
+
+    def clear(self) -> None:
+        """Follow nothing (the target left the path)."""
+        self.chain, self.parts, self.at = empty_draft(), {}, -1
+
+    def advance(self, at: int, new: list[int]) -> None:
+        """Step past the step's new tokens (accepted, then bonus), appended to a context of `at` tokens, when they
+        are the stream's next ones; else follow nothing."""
+        chain, used = self.chain, len(new)
+        if at != self.at or not used or len(chain) <= used or chain.tokens[:used].tolist() != new:
+            self.clear()
+            return
+        total = int(chain.weights[used - 1])
+        self.chain = Draft(chain.tokens[used:], chain.parents[: len(chain) - used], chain.weights[used:], chain.n,
+                           total)  # fmt: skip
+        self.parts = {name: depth - used for name, depth in self.parts.items() if depth > used}
+        self.at = at + used
+
+    def take(self, room: int, *, at: int) -> Draft | None:
+        """Return the stream's next chain of `room` tokens for a context of `at` tokens, or None when it holds fewer
+        or follows another context (a lookup drafts then)."""
+        if room <= 0 or at != self.at or len(self.chain) < room:
+            return None
+        return self.chain.truncate(room)

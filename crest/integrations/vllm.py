@@ -30,18 +30,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from crest_client.draft import Draft, empty_draft
+from crest_client.draft import empty_draft
 
 from crest.config import VllmSettings, vllm_settings
 from crest.decoding.hidden import feed_hidden, model_fingerprint
 from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
 from crest.decoding.sizing import CostModel
 from crest.drafters.dense_lease import DenseLease, prefetch_dense
-from crest.drafters.lease import StoreLease, prefetch
 from crest.drafters.recent import RecentOptions
 from crest.drafters.registry import check_drafter, kind_of, usable_kind
 from crest.drafting.hub import DraftHub, LearnOptions, process_source
@@ -56,12 +54,10 @@ from crest.integrations._vllm_runner import (
     tokenizer_fingerprint,
     vocab_size,
 )
-from crest.integrations.chain import best_chain
-from crest.learning.requests import row_stats, tally_parts
+from crest.integrations.rows import LOOKUP_NODES, ProposerRow, draft_chains
+from crest.learning.requests import row_stats
 
 log = logging.getLogger(__name__)
-
-LOOKUP_NODES = 32  # tree nodes looked up and merged per row: the chain is chosen from them
 
 # vLLM's step cost before any step is seen (seconds for k scheduled tokens): nearly flat, since a vLLM step's fixed
 # cost (scheduling, sampling, the engine's round trip) dwarfs a few more tokens on a small model. Measured on the
@@ -73,24 +69,6 @@ PRIOR_COST = CostModel([1, 8, 64, 512], [0.100, 0.105, 0.150, 0.500])
 MAX_GAP = 5.0  # seconds between steps beyond which the gap was idleness, not a step's cost
 IDLE_LEARN = 5.0  # seconds without a step after which every request still held has finished: learn it
 PARKED = 1024  # requests vLLM stopped running (preempted or aborted) kept unlearned until seen again or idle
-
-
-@dataclass
-class _Row:
-    """One request's state between steps: its drafter, tokens, last chain and figures for its learned row."""
-
-    drafter: Any
-    lease: StoreLease | None
-    dense: DenseLease | None  # the row's view of the dense part (None: the drafter has none)
-    prompt_length: int  # -1: unknown (no request ids found): nothing learned
-    tokens: list[int]
-    chain: Draft = field(default_factory=empty_draft)  # the chain handed out for a context of `chain_at` tokens
-    chain_at: int = -1
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    parts: dict[str, int] = field(default_factory=dict)
-    learned: bool = False
 
 
 class CrestProposer:
@@ -121,8 +99,8 @@ class CrestProposer:
         self.learner = self.hub.learner(self.settings.store) if self.store is not None and self.settings.store else None
         self.refresher = self.hub.refresher
         self.hub.start()
-        self._rows: dict[str, _Row] = {}
-        self._parked: dict[str, _Row] = {}  # rows vLLM stopped running: learned once they stay gone
+        self._rows: dict[str, ProposerRow] = {}
+        self._parked: dict[str, ProposerRow] = {}  # rows vLLM stopped running: learned once they stay gone
         self._last_end: float | None = None
         self._failures = 0
         stats = self._store_stats if self.store is not None else None
@@ -194,33 +172,34 @@ class CrestProposer:
     def _propose(
         self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: RunnerBatch | None
     ) -> list[list[int]]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         rows = len(sampled)
         keys = batch.ids if batch is not None else [f"row{i}" for i in range(rows)]
         accepted = predicted = 0.0
         verified = False
-        live: list[tuple[int, _Row, int]] = []  # (row, state, room) of the rows to draft for
+        live: list[tuple[int, ProposerRow, int]] = []  # (row, state, room) of the rows to draft for
         for i in range(rows):
             n = int(lengths[i])
             row = self._row(keys[i], token_ids[i, :n], batch.prompt_lengths[i] if batch is not None else -1)
             new = [int(t) for t in sampled[i]]
-            if new and row.chain_at == len(row.tokens) and len(row.chain):  # the step verified our last chain
-                got = min(len(new) - 1, len(row.chain))
-                tally_parts(row.parts, row.drafter, row.chain, context_length=row.chain_at, accepted=new[:got])
+            at = len(row.tokens)
+            if new and row.chain_at == at and len(row.chain):  # the step verified our last chain
+                got = row.verified(new)
                 accepted, verified = accepted + got, True
                 predicted += expected_nodes(row.chain, len(row.chain))
-                row.drafted, row.accepted = row.drafted + len(row.chain), row.accepted + got
                 self.report.verified(len(row.chain), got)
             row.chain, row.chain_at = empty_draft(), -1
-            if len(row.tokens) + len(new) == n:
+            if at + len(new) == n:
+                row.stream.advance(at, new)  # on when the target followed the stream's path
                 row.tokens.extend(new)
             else:  # out of step with vLLM's row (a preempted request read again): take its tokens afresh
+                row.stream.clear()
                 row.tokens = token_ids[i, :n].tolist()
             if not new:
                 continue  # a prompt still being read in chunks: vLLM ignores drafts for it
             row.steps += 1
             request = batch.requests.get(keys[i]) if batch is not None else None
-            if self._finished(row, request):
+            if self._finished(row, request, fresh=len(new)):
                 continue
             room = self._room(row, request)
             if room > 0:
@@ -232,23 +211,20 @@ class CrestProposer:
         drafts: list[list[int]] = [[] for _ in range(rows)]
         if live and not self.policy.skip(len(live)):
             self._feed_dense(live, batch)  # only for a step that drafts: the search costs a round trip
-            leased = [(r.lease, r.tokens) for _, r, _ in live if r.lease is not None]
-            if leased:
-                prefetch([lease for lease, _ in leased], [ctx for _, ctx in leased], max_nodes=LOOKUP_NODES)
-            chains = [best_chain(self.policy.draft(r.drafter, r.tokens, room=room), depth=room) for _, r, room in live]
+            chains = draft_chains(self.policy, [(r, room) for _, r, room in live])
             cut, _ = self.policy.size(chains)
             for (i, row, _), chain in zip(live, cut, strict=True):
                 row.chain, row.chain_at = chain, len(row.tokens)
                 drafts[i] = [int(t) for t in chain.tokens]
         self._last_end = time.perf_counter()
-        self.report.step(seconds=self._last_end - start, rows=rows)
+        self.report.step(seconds=self._last_end - start, cpu=time.thread_time() - cpu, rows=rows)
         return drafts
 
     def _store_stats(self) -> dict[str, int]:
         """Return the store's lookup counters (`Store.stats`; none counted before a pending store connects)."""
         return dict(getattr(self.store, "stats", None) or {})
 
-    def _feed_dense(self, live: list[tuple[int, _Row, int]], batch: RunnerBatch | None) -> None:
+    def _feed_dense(self, live: list[tuple[int, ProposerRow, int]], batch: RunnerBatch | None) -> None:
         """Hand each dense row the state that predicted its last token and search them all in one statement."""
         if self.dense is None:
             return
@@ -262,7 +238,7 @@ class CrestProposer:
         if fed:
             prefetch_dense([lease for lease, _ in fed], [state for _, state in fed])
 
-    def _row(self, key: str, tokens: np.ndarray, prompt_length: int) -> _Row:
+    def _row(self, key: str, tokens: np.ndarray, prompt_length: int) -> ProposerRow:
         """Return the request's state, made on its first step (or afresh when the row holds another request)."""
         row = self._rows.get(key)
         if row is None and key in self._parked:  # preempted and resumed: the same request, learned once
@@ -275,11 +251,11 @@ class CrestProposer:
         if row is None:
             parts = self.hub.row_parts(self.name, self.settings.store if self.store is not None else None,
                                        strict=False)  # fmt: skip
-            row = _Row(parts.drafter, parts.lease, parts.dense, int(prompt_length), tokens.tolist())
+            row = ProposerRow(parts.drafter, parts.lease, parts.dense, int(prompt_length), tokens.tolist())
             self._rows[key] = row
         return row
 
-    def _room(self, row: _Row, request: Any) -> int:
+    def _room(self, row: ProposerRow, request: Any) -> int:
         """Return the longest chain this row may verify: K, the model's positions left, the tokens still wanted."""
         wanted = getattr(getattr(request, "sampling_params", None), "max_tokens", None)
         generated = len(row.tokens) - row.prompt_length if row.prompt_length >= 0 else 0
@@ -291,13 +267,13 @@ class CrestProposer:
         )
         return max(0, min(self.k, room))
 
-    def _finished(self, row: _Row, request: Any) -> bool:
+    def _finished(self, row: ProposerRow, request: Any, *, fresh: int) -> bool:
         """Return whether the request just reached a stop token or its max_tokens; then teach the store at once."""
         params = getattr(request, "sampling_params", None)
         if params is None or row.prompt_length < 0:
             return False
         output = row.tokens[row.prompt_length :]
-        end = stop_at(output, params)
+        end = stop_at(output, params, since=len(output) - fresh)  # earlier tokens were checked at their step
         if end is None:
             return False
         if not row.learned:
@@ -330,7 +306,7 @@ class CrestProposer:
         while len(self._parked) > PARKED:  # the oldest parked stays gone: it was aborted, learn what it served
             self._learn_row(self._parked.pop(next(iter(self._parked))))
 
-    def _learn_row(self, row: _Row, output: list[int] | None = None) -> None:
+    def _learn_row(self, row: ProposerRow, output: list[int] | None = None) -> None:
         """Teach the store the request's tokens and figures once (never blocks, never raises); rank 0 only."""
         if row.learned or row.prompt_length < 0:
             return
