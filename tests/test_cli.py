@@ -169,8 +169,8 @@ READERS = [
     ("drop", ["drop", "s"], EXIT_FAILURE, r"no published store named 's'"),
     ("bench-lookup", ["bench", "lookup", "--store", "s"], EXIT_FAILURE, r"no published store named 's'"),
     ("bench-ceiling", ["bench", "ceiling", "-s", "s", "--prompts", "humaneval"], EXIT_FAILURE, r"no published store"),
-    ("stores", ["stores"], 0, r"no store yet: run crest ingest"),
-    ("query", ["db", "query", "coverage"], 0, r"no rows"),
+    ("stores", ["stores"], EXIT_FAILURE, r"no store: the database has no crest schema"),
+    ("query", ["db", "query", "coverage"], EXIT_FAILURE, r"no store: the database has no crest schema"),
 ]
 
 

@@ -59,7 +59,7 @@ def db_query(
 ) -> None:
     """Run an inspection query (read-only) and print its rows as a table, or as JSON lines."""
     from crest.cli.display import print_query
-    from crest.cli.store_commands import database
+    from crest.cli.store_commands import read_database
     from crest.db.queries import read_query, run_query
     from crest.errors import ConfigError
 
@@ -69,7 +69,7 @@ def db_query(
     if query is None:
         raise ConfigError("give a query name or a .sql file (crest db queries lists the names)")
     found = read_query(query)
-    columns, rows = run_query(database(dsn), found)
+    columns, rows = run_query(read_database(dsn), found)
     print_query(found.summary or found.name, columns, rows, as_json=as_json)
 
 

@@ -47,13 +47,13 @@ def export(
     import dataclasses
     import json
 
-    from crest.cli.store_commands import database
+    from crest.cli.store_commands import read_database
     from crest.errors import ConfigError
     from crest.integrations.llamacpp import export_llama_lookup
 
     if fmt != "llama-lookup":
         raise ConfigError(f"--format must be llama-lookup, not {fmt!r}")
-    done = export_llama_lookup(database(dsn), store, out, tiers=tier, gguf=gguf)
+    done = export_llama_lookup(read_database(dsn, store=store), store, out, tiers=tier, gguf=gguf)
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(done)))
         return

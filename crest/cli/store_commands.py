@@ -1,7 +1,9 @@
 """Commands that build and read stores: `crest ingest`, `lookup`, `stores` and `drop`.
 
-Every command that reads migrates the schema first (safe to run many times), so a fresh database answers
-"no published store named ..." or an empty list, never a raw SQL error.
+Commands that write (`ingest`, `drop`) migrate the schema first (safe to run many times). Commands that only read
+(`lookup`, `stores`, `db query`, `export`) never do: a read-only role or a replica must work, so they check the
+schema's revision and say in one line when it is missing (exit 1: no store there) or at another revision than
+this crest's (exit 3: `crest db upgrade`), never a raw SQL error.
 """
 
 from __future__ import annotations
@@ -21,6 +23,30 @@ def database(dsn: str | None) -> str:
 
     url = resolve_dsn(dsn)
     db.upgrade(url)
+    return url
+
+
+def read_database(dsn: str | None, *, store: str | None = None) -> str:
+    """Return the DSN in use for a command that only reads: its crest schema checked, never migrated.
+
+    No crest schema is StoreNotFound (naming `store` when given); a schema at another revision than this crest's
+    is a DatabaseError that names `crest db upgrade`.
+    """
+    from crest.config import resolve_dsn
+    from crest.db.connection import head_revision, schema_revision
+    from crest.errors import DatabaseError, StoreNotFound
+
+    url = resolve_dsn(dsn)
+    revision = schema_revision(url)
+    if revision is None:
+        what = f"no published store named {store!r}" if store else "no store"
+        raise StoreNotFound(f"{what}: the database has no crest schema (crest ingest or crest db upgrade makes it)")
+    head = head_revision()
+    if revision != head:
+        raise DatabaseError(
+            f"the database's crest schema is at revision {revision}, this crest reads {head}: `crest db upgrade` "
+            "(as the schema's owner, on the primary) migrates one that is behind; one ahead needs a newer crest"
+        )
     return url
 
 
@@ -263,7 +289,12 @@ def lookup(
     if max_nodes < 1:
         raise ConfigError(f"--max-nodes must be at least 1, got {max_nodes}")
     found = lookup_text(
-        database(dsn), store, check_text(text, name="TEXT"), tokenizer=tokenizer, max_nodes=max_nodes, rule=rule
+        read_database(dsn, store=store),
+        store,
+        check_text(text, name="TEXT"),
+        tokenizer=tokenizer,
+        max_nodes=max_nodes,
+        rule=rule,
     )
     print_draft(found, as_json=as_json)
 
@@ -286,7 +317,7 @@ def stores(
     from crest import db
     from crest.cli.display import print_stores
 
-    with db.session(database(dsn)) as conn:
+    with db.session(read_database(dsn)) as conn:
         rows = db.list_stores(conn, include_all=show_all)
     print_stores(rows, as_json=as_json, show_state=show_all)
 
