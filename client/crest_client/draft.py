@@ -32,15 +32,17 @@ class Draft:
         if max_nodes >= len(self):
             return self
         k = max(0, int(max_nodes))
-        return Draft(self.tokens[:k], self.parents[:k], self.weights[:k], self.n, self.total)
+        cut = Draft(self.tokens[:k], self.parents[:k], self.weights[:k], self.n, self.total)
+        if self.probabilities is not None:  # a prefix's nodes keep their path probabilities
+            object.__setattr__(cut, "probabilities", self.probabilities[:k])
+        return cut
 
     def depths(self) -> np.ndarray:
         """Return each node's depth: 1 for children of the root."""
-        depth = np.zeros(len(self), dtype=np.int64)  # [T]
-        parents = self.parents.tolist()
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return depth
+        depth: list[int] = []  # Python ints: numpy's cost per element would dominate
+        for p in self.parents.tolist():
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return np.asarray(depth, dtype=np.int64)  # [T]
 
     def ancestor_mask(self) -> np.ndarray:
         """Return the tree attention mask: `mask[i, j]` is True when node j is node i or its ancestor."""
@@ -85,19 +87,13 @@ def path_probabilities(draft: Draft) -> np.ndarray:
 
 
 def _path_probabilities(draft: Draft) -> np.ndarray:
-    weights = np.maximum(draft.weights.astype(np.float64), 0.0)  # [T]
-    size = weights.shape[0]
-    roots = draft.parents < 0
-    total = max(float(weights[roots].sum()), float(draft.total)) or 1.0
-    if size and is_chain(draft):  # one path (vLLM's case): a running product of the weight ratios
-        ratio = np.empty(size, dtype=np.float64)  # [T]
-        ratio[0] = weights[0] / total
-        above = weights[:-1]
-        ratio[1:] = np.where(above > 0, np.minimum(1.0, weights[1:] / np.where(above > 0, above, 1.0)), 0.0)
-        return np.cumprod(ratio)
-    w = weights.tolist()  # Python floats: a node at a time, parents before children
-    prob = [0.0] * size
-    for i, p in enumerate(draft.parents.tolist()):
+    # Python floats, a node at a time (parents before children): for trees of tens of nodes a loop over lists
+    # costs a few microseconds, where each numpy call on so small an array costs about one
+    w = [max(0.0, float(x)) for x in draft.weights.tolist()]
+    parents = draft.parents.tolist()
+    total = max(sum(x for x, p in zip(w, parents, strict=True) if p < 0), float(draft.total)) or 1.0
+    prob = [0.0] * len(w)
+    for i, p in enumerate(parents):
         if p < 0:
             prob[i] = w[i] / total
         else:
@@ -107,8 +103,7 @@ def _path_probabilities(draft: Draft) -> np.ndarray:
 
 def is_chain(draft: Draft) -> bool:
     """Return whether the draft is one path: every node the child of the node before it."""
-    parents = draft.parents
-    return bool(parents.shape[0] == 0 or (parents[0] < 0 and (np.diff(parents) == 1).all()))
+    return bool(draft.parents.tolist() == list(range(-1, len(draft) - 1)))
 
 
 def empty_draft(n: int = 0) -> Draft:

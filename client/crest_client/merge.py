@@ -11,7 +11,6 @@ that followed, for the learned part scales. Torch-free: numpy and Python lists o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -21,7 +20,9 @@ from crest_client.order import order_small
 MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
 
 
-def ordered(tokens: list[int], parents: list[int], weights: list[int], *, tree_size: int, n: int) -> Draft:
+def ordered(
+    tokens: list[int], parents: list[int], weights: list[int], *, tree_size: int, n: int, total: int = 0
+) -> Draft:
     """Put a small tree built in Python lists (parents first) in the canonical order and cut it to `tree_size`."""
     order = order_small(tokens, parents, weights)[:tree_size]
     position = {i: k for k, i in enumerate(order)}
@@ -30,6 +31,7 @@ def ordered(tokens: list[int], parents: list[int], weights: list[int], *, tree_s
         np.array([position[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=np.int32),
         np.array([weights[i] for i in order], dtype=np.int64),
         int(n),
+        int(total),
     )
 
 
@@ -78,7 +80,7 @@ def merge_drafts(
         for i, j in enumerate(local):
             mass[j] += share * weight[i] / total
     weights = [max(1, round(m * scale)) for m in mass]
-    return replace(ordered(tokens, parents, weights, tree_size=tree_size, n=n), total=int(scale))
+    return ordered(tokens, parents, weights, tree_size=tree_size, n=n, total=int(scale))
 
 
 def _scaled(draft: Draft, share: float, *, tree_size: int, scale: int) -> Draft | None:

@@ -147,19 +147,23 @@ class DraftPolicy:
     def size(self, drafts: Sequence[Draft]) -> tuple[list[Draft], float]:
         """Return the drafts cut to the sizes that pay for the batch, and their weight-predicted accepted nodes."""
         drafts = list(drafts)
-        if not self.adaptive or not any(len(d) for d in drafts):
-            return drafts, sum(expected_nodes(d, len(d)) for d in drafts)
-        rows = len(drafts)
-        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale, packed=self.packed)
+        if not any(len(d) for d in drafts):
+            return drafts, 0.0
+        within = cumulative_nodes(drafts)  # [B, k+1]
+        rows = np.arange(len(drafts))
+        if not self.adaptive:
+            return drafts, float(within[rows, [len(d) for d in drafts]].sum())
+        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale, packed=self.packed,
+                                  within=within)  # fmt: skip
         paid = any(sizes)
         self._idle = 0 if paid else self._idle + 1
         self._backoff = 0 if paid else min(MAX_BACKOFF, max(1, 2 * self._backoff))
-        self._skip, self._skip_rows = self._backoff, rows
-        if not paid and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * rows):
+        self._skip, self._skip_rows = self._backoff, len(drafts)
+        if not paid and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(drafts)):
             # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
             # often as the batch grows, since every row then pads to the probe's width)
             sizes, self._idle = [min(len(d), EXPLORE_NODES) for d in drafts], 0
-        predicted = sum(expected_nodes(d, k) for d, k in zip(drafts, sizes, strict=True))
+        predicted = float(within[rows, sizes].sum())
         return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], predicted
 
     def observe(self, *, accepted: int, predicted: float) -> None:
@@ -185,12 +189,30 @@ def room_left(*, context_length: int, generated: int, max_new_tokens: int, max_p
     return min(max_positions - context_length - 1, max_new_tokens - generated - 1)
 
 
+def cumulative_nodes(drafts: Sequence[Draft]) -> np.ndarray:
+    """Return [B, k+1]: each draft's weight-predicted accepted nodes among its first 0..k nodes (k: the largest)."""
+    top = max((len(d) for d in drafts), default=0)
+    prob = np.zeros((len(drafts), top), dtype=np.float64)  # [B, k], zero past each draft's end
+    for r, draft in enumerate(drafts):
+        if len(draft):
+            prob[r, : len(draft)] = path_probabilities(draft)
+    within = np.zeros((len(drafts), top + 1), dtype=np.float64)
+    np.cumsum(prob, axis=1, out=within[:, 1:])
+    return within
+
+
 def batch_draft_sizes(
-    drafts: Sequence[Draft], cost: CostModel | StepCost, *, acceptance_scale: float = 1.0, packed: bool = False
+    drafts: Sequence[Draft],
+    cost: CostModel | StepCost,
+    *,
+    acceptance_scale: float = 1.0,
+    packed: bool = False,
+    within: np.ndarray | None = None,
 ) -> list[int]:
     """Return each row's draft size: the common cap that maximises the batch's expected tokens per second.
 
     A padded batch of B rows costs `cost(B * (1 + widest draft))`; a packed one `cost(B + sum of the drafts)`.
+    `within`: the drafts' `cumulative_nodes`, when the caller has them.
     """
     rows = len(drafts)
     if rows == 0:
@@ -199,18 +221,13 @@ def batch_draft_sizes(
     top = int(lengths.max())
     if top == 0:
         return [0] * rows
-    gains = np.zeros((rows, top + 1), dtype=np.float64)  # [B, k+1] expected accepted nodes within cap k
-    for r, draft in enumerate(drafts):
-        if len(draft):
-            gain = np.cumsum(acceptance_scale * path_probabilities(draft))
-            gains[r, 1 : len(draft) + 1] = gain
-            gains[r, len(draft) + 1 :] = gain[-1]
+    gains = acceptance_scale * (cumulative_nodes(drafts) if within is None else within)  # [B, k+1]
     caps = np.arange(top + 1)
     cut = np.minimum(caps.reshape(-1, 1), lengths.reshape(1, -1))  # [k+1, B] each row's nodes under cap k
     slots = rows + cut.sum(axis=1) if packed else rows * (1 + cut.max(axis=1))  # [k+1] tokens of the forward
     rate = (rows + gains.sum(axis=0)) / cost(slots)
     best = int(np.argmax(rate))  # the first maximum: no draft when nothing pays
-    return [int(min(best, n)) for n in lengths]
+    return [int(min(best, n)) for n in lengths.tolist()]
 
 
 def choose_draft_size(draft: Draft, cost: CostModel | StepCost, *, acceptance_scale: float = 1.0) -> int:

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-import numpy as np
 from crest_client.draft import Draft
 from crest_client.learner import DenseRows
 
@@ -39,12 +38,13 @@ def served_tokens(prompt: Sequence[int], output: Sequence[int], *, max_n: int) -
 
 def path_length(tree: Draft, tokens: Sequence[int]) -> int:
     """Return how many leading `tokens` the tree holds as one path from its root."""
+    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True))}
     at = -1
     for depth, token in enumerate(tokens):
-        hit = np.flatnonzero((tree.parents == at) & (tree.tokens == token))  # a trie: one child per token
-        if hit.size == 0:
+        found = child.get((at, int(token)))  # a trie: one child per token
+        if found is None:
             return depth
-        at = int(hit[0])
+        at = found
     return len(tokens)
 
 
