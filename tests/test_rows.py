@@ -4,7 +4,9 @@ its last deep chain without a lookup, a deep recent-tier match drafts without th
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ def test_a_stream_goes_on_only_while_the_target_follows_it() -> None:
 
 
 @pytest.fixture
-def hub(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+def hub(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path) -> Iterator[DraftHub]:
     corpus = tmp_path / "words.jsonl"
     corpus.write_text(json.dumps({"text": "the cat sat on the mat " * 40}) + "\n", encoding="utf-8")
     ingest([str(corpus)], store="words", tokenizer=str(word_tokenizer_dir), dsn=db_dsn, options=IngestOptions(top_t=50))
@@ -56,12 +58,13 @@ def test_rows_on_a_text_served_before_draft_it_from_memory_without_the_database(
     rng = np.random.default_rng(7)
     served = [int(t) for t in rng.integers(2, 10, size=400)]  # a text the store never saw, served once before
     store = hub.store("words")
-    hub.recent("words").add(np.array(served))
-    calls = {"n": 0}
     index = hub.recent("words")
+    assert index is not None
+    index.add(np.array(served))
+    calls = {"n": 0}
     lookup = index.draft
 
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(*args: Any, **kwargs: Any) -> Draft | None:
         calls["n"] += 1
         return lookup(*args, **kwargs)
 
