@@ -66,16 +66,16 @@ class RecentView:
 
     def __init__(self, index: Any) -> None:
         self.index = index
-        self._last: tuple[int, int, int, Draft | None] | None = None  # (context length, last token, nodes, tree)
+        self._last: tuple[int, int, int, Draft | None] | None = None  # (context length, last token, nodes asked, tree)
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         """Return the recent tier's tree for the context (the kept one when this context was just asked)."""
-        key = (len(context_ids), int(context_ids[-1]) if len(context_ids) else -1, int(max_nodes))
+        key = (len(context_ids), int(context_ids[-1]) if len(context_ids) else -1)
         last = self._last
-        if last is not None and last[:3] == key:
-            return last[3]
+        if last is not None and last[:2] == key and max_nodes <= last[2]:  # a prefix of a canonical tree is one
+            return _cut(last[3], max_nodes)
         tree: Draft | None = self.index.draft(context_ids, max_nodes)
-        self._last = (*key, tree)
+        self._last = (*key, int(max_nodes), tree)
         return tree
 
 

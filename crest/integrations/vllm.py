@@ -54,7 +54,7 @@ from crest.integrations._vllm_runner import (
     tokenizer_fingerprint,
     vocab_size,
 )
-from crest.integrations.rows import LOOKUP_NODES, ProposerRow, draft_chains
+from crest.integrations.rows import ProposerRow, draft_chains, lookup_nodes
 from crest.learning.requests import row_stats
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class CrestProposer:
         self.name = self._open()
         vocab = vocab_size(vllm_config)
         # vLLM packs the rows' tokens into one forward: a step costs the sum of its rows' tokens, not padded rows
-        self.policy = DraftPolicy(budget=LOOKUP_NODES, adaptive=True, cost=PRIOR_COST, vocab=vocab, packed=True)
+        self.policy = DraftPolicy(budget=lookup_nodes(self.k), adaptive=True, cost=PRIOR_COST, vocab=vocab, packed=True)
         self.learner = self.hub.learner(self.settings.store) if self.store is not None and self.settings.store else None
         self.refresher = self.hub.refresher
         self.hub.start()
