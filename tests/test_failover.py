@@ -2,8 +2,9 @@
 
 A pair of its own (the session's pair in tests/fix_replica.py stays a pair): the engine reads from both servers
 (the replica first) and writes its learned rows to the read-write one of both (`target_session_attrs`). Rows
-learned before the switch are on the promoted server, rows learned after it are written there, none is lost or
-written twice, and the store drafts from the promoted server on the connection it had.
+learned before the switch are on the promoted server; rows learned while neither server takes writes (the
+primary stopped, the replica not yet promoted) are kept and written there once it is promoted, as are rows learned
+after it; none is lost or written twice, and the store drafts from the promoted server on the connection it had.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def serve(engine: Any, marks: range) -> None:
         assert not future.result(timeout=120).cancelled
 
 
+def queued(learner: Any, rows: int, timeout: float = 60.0) -> None:
+    """Wait until `rows` rows wait in the learner or were dropped (the engine teaches it once an answer is out)."""
+    deadline = time.monotonic() + timeout
+    while learner.stats["queued"] + learner.stats["dropped_rows"] < rows:
+        assert time.monotonic() < deadline, learner.stats
+        time.sleep(0.01)
+
+
 def written(engine: Any, rows: int, timeout: float = 120.0) -> dict[str, int]:
     """Wait until the store's learner has written `rows` rows in all (flushing); return its counters."""
     learner = engine.learner("demo")
@@ -108,14 +117,20 @@ def test_promoting_the_replica_while_the_engine_learns_loses_no_row_and_drafting
 
         pair.wait_replayed()
         pair.primary.stop("fast")  # a switchover: the primary sends the standby all it wrote, then stops
+        serve(engine, range(503, 506))  # learned while no server takes writes: kept for the promoted one
+        learner = engine.learner("demo")
+        assert learner is not None
+        queued(learner, 3)
+        assert not learner.flush(timeout=0.5)  # nothing writable yet: kept, neither written nor dropped
+        assert (learner.stats["written_rows"], learner.stats["dropped_rows"]) == (3, 0), learner.stats
         run_as_server(pair.replica.bindir / "pg_ctl", "-D", str(pair.replica.pgdata), "-w", "-t", "60", "promote")
-        serve(engine, range(503, 506))  # learned after the switch: written to the promoted server
-        stats = written(engine, 6)
-        assert stats["written_rows"] == 6 and stats["dropped_rows"] == 0, stats
+        serve(engine, range(506, 509))  # learned after the switch: written to the promoted server
+        stats = written(engine, 9)
+        assert stats["written_rows"] == 9 and stats["dropped_rows"] == 0, stats
 
         rows = learned_rows(pair.replica.dsn(name))  # the promoted server holds every row, each once
         marks = sorted(tokens[kept - 1] for kept, tokens in rows)
-        assert marks == list(range(500, 506)), rows
+        assert marks == list(range(500, 509)), rows
 
         store.clear_cache()  # drafting goes on, from the promoted server, on the connection it had
         assert version_of(store.draft(CONTEXTS[0])) == 1, store.stats

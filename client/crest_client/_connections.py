@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import select
 import threading
@@ -104,6 +105,13 @@ def new_pool(
         reconnect_timeout=0,
         name=name,
     )
+
+
+def check_max_nodes(max_nodes: int) -> int:
+    """Return `max_nodes` when it is a whole number (below 1: no draft, 0); raise CrestClientError otherwise."""
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, numbers.Integral):
+        raise CrestClientError(f"max_nodes must be a whole number, got {max_nodes!r}")
+    return max(0, int(max_nodes))
 
 
 class LookupTimeout(psycopg.OperationalError):

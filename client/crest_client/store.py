@@ -9,9 +9,9 @@ ingest needs no more), or with the `expected` rule on an older store every store
 decoded into `Draft`s with the version's token table. The handle re-reads which versions are published every
 `refresh_interval` seconds and whenever its partition is gone, so readers move to a new version once it is
 published, and never see a mix of two. Results are kept in a bounded LRU cache per tier, keyed by the last max-n
-tokens. Connections come from a psycopg pool (`crest_client._connections`), so one `Store` is safe to share between
-threads. Failures of the database (down, slow, restarting) and corrupt rows make a lookup return None: generation
-goes on.
+tokens. Connections come from a psycopg pool (`crest_client._connections`): one `Store` is safe to share between
+threads, and in a child made by `os.fork()` it has connections, locks and threads of its own (`crest_client._fork`).
+Failures of the database (down, slow, restarting) and corrupt rows make a lookup return None: generation goes on.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ from crest_client._connections import (
     SPIN,
     Connections,
     LookupTimeout,
+    check_max_nodes,
     check_seconds,
     open_pool,
     resolve_seconds,
 )
+from crest_client._fork import renew_in_child
 from crest_client.choice import resolve_rule
 from crest_client.draft import Draft
 from crest_client.errors import CrestClientError, FingerprintMismatch
@@ -95,6 +97,7 @@ class Store:
         self._read_wait = max(1.0, 100 * self._timeout)  # its statements' timeout: a table read, not a lookup
         self._load_result: bool | None = None  # the last load: True followed, False could not be followed
         self.stats = {"lookups": 0, "hits": 0, "errors": 0, "timeouts": 0, "queries": 0}
+        renew_in_child(self)  # its connections renew themselves (crest_client._connections), its learner too
 
     @classmethod
     def connect(
@@ -282,6 +285,11 @@ class Store:
             self._loader.join(2 * self._read_wait + 1.0)  # bounded by the version read's two statement timeouts
         self._conns.close()
 
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it); a new version loads on a new thread."""
+        self._lock = self._caches.lock = threading.Lock()
+        self._loader, self._load_result = None, None
+
     def __enter__(self) -> Store:
         return self
 
@@ -390,10 +398,3 @@ class Store:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(" ".join(message.split()))  # one line: libpq's messages span several
-
-
-def check_max_nodes(max_nodes: int) -> int:
-    """Return `max_nodes` when it is a whole number (below 1: no draft, 0); raise CrestClientError otherwise."""
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, numbers.Integral):
-        raise CrestClientError(f"max_nodes must be a whole number, got {max_nodes!r}")
-    return max(0, int(max_nodes))
