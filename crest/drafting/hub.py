@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,6 +62,10 @@ class LearnOptions:
 
 
 _HUBS = itertools.count(1)
+
+# seconds a closing hub tries to write what its learners still hold (all stores together): the rest is dropped and
+# counted; under `docker stop`'s 10 s grace
+CLOSE_TIMEOUT = 5.0
 
 
 def process_source(kind: str) -> str:
@@ -128,7 +133,8 @@ class DraftHub:
             self.feed.start()
 
     def close(self) -> None:
-        """Stop the threads, write what was learned, close the stores and dense parts."""
+        """Stop the threads, write what was learned (trying for `CLOSE_TIMEOUT` seconds in all), close the stores
+        and dense parts."""
         if self.feed is not None:
             self.feed.stop()
         if self.refresher is not None:
@@ -137,8 +143,9 @@ class DraftHub:
             stores = [*self._stores.values(), *self._dense.values()]
             learners = list(self._learners.values())
             self._stores, self._dense, self._learners, self._recent = {}, {}, {}, {}
+        end = time.monotonic() + CLOSE_TIMEOUT  # one deadline for all: a database that is down costs it once
         for learner in learners:
-            learner.close()
+            learner.close(timeout=max(0.0, end - time.monotonic()))
         for store in stores:
             try:
                 store.close()
