@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 
 from crest.bench.serve_figures import serve_figures
@@ -9,10 +11,12 @@ from crest.bench.vllm_compare import PassRow, markdown, spread, standard_methods
 from crest.bench.vllm_workloads import (
     SECOND_ASK,
     Request,
+    chat_requests,
     edit_requests,
     fleet_schedule,
     same_texts,
     second_turns,
+    self_corpus_lines,
     stdlib_functions,
 )
 
@@ -44,7 +48,7 @@ def test_the_fleet_serves_each_prompt_on_one_replica_then_on_the_other() -> None
 
 def test_methods_and_exactness() -> None:
     methods = standard_methods("stdlib")
-    assert list(methods) == ["none", "ngram", "suffix", "crest+prompt-k8", "crest+prompt-k16"]
+    assert list(methods) == ["none", "ngram", "suffix", "crest+prompt-k8", "crest+prompt-k16", "prompt-k8"]
     assert methods["crest+prompt-k16"].crest and methods["crest+prompt-k16"].env["CREST_STORE"] == "stdlib"
     assert methods["crest+prompt-k8"].speculative == {
         "method": "custom_class",
@@ -65,3 +69,20 @@ def test_the_report_has_one_table_per_workload() -> None:
     text = markdown(rows)
     assert text.startswith("**humaneval**") and "| suffix | B | 8 |" in text and "| 30 / 40 |" in text
     assert "| 12/0 |" in text and "| 3/4 |" in text and "**fleet**" in text
+
+
+def test_the_chat_workload_asks_first_turns_and_its_store_leaves_them_out(tmp_path: Path) -> None:
+    (turn,) = chat_requests(["Compose a travel blog post."])
+    assert turn.chat and turn.messages == (("user", "Compose a travel blog post."),)
+    records = ["<|im_start|>user\nhello<|im_end|>\nHi!", "<|im_start|>user\nCompose a travel blog post.<|im_end|>\nOk"]
+    corpus = tmp_path / "self.jsonl.gz"
+    with gzip.open(corpus, "wt", encoding="utf-8") as sink:
+        sink.writelines(json.dumps({"text": r}) + "\n" for r in records)
+    kept = list(self_corpus_lines(corpus, leave_out=["Compose a travel blog post."]))
+    assert [json.loads(line)["text"] for line in kept] == records[:1] and kept[0].endswith("\n")
+    assert len(list(self_corpus_lines(corpus))) == 2
+
+
+def test_the_prompt_method_drafts_without_a_store() -> None:
+    method = standard_methods(None)["prompt-k8"]
+    assert method.crest and method.env["CREST_DRAFTER"] == "prompt" and "CREST_STORE" not in method.env

