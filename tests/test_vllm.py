@@ -31,7 +31,7 @@ from crest.integrations.chain import best_chain
 from crest.integrations.vllm import CrestProposer
 from tests.fix_proxy import Proxy
 from tests.fix_require import require
-from tests.fix_vllm import K, Runner, vllm_config, vllm_python
+from tests.fix_vllm import MAX_TOKENS, REQUEST_TIMEOUT, K, Runner, VllmServer, vllm_config, vllm_python
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -115,7 +115,8 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
     line = re.compile(
         r"crest proposer, last \d+ s: (\d+) steps, (\d+) draft tokens verified, (\d+) accepted \(\d+%\); "
         r"since start (\d+) verified, (\d+) accepted; proposer time per step p50 [\d.]+ ms, p99 [\d.]+ ms "
-        r"\([\d.]+ ms per row\); store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
+        r"\([\d.]+ ms per row; CPU p50 [\d.]+ ms\); "
+        r"store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
     )
     found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
     totals = [sum(column) for column in zip(*found, strict=True)]
@@ -318,95 +319,9 @@ PROMPTS = [
     'def read_json(path):\n    """Read a JSON file and return its content."""',
     "# Sort a list of numbers\ndef bubble_sort(items):",
 ]
-MAX_TOKENS = 40
-# pytest-timeout counts a test function only (pyproject.toml): the fixtures bound their own waits, each test its
-# own, every one of them shorter than the 600 s a test may take
-START_TIMEOUT = 480.0  # seconds for a vLLM server to answer /health (about 2 minutes on 2 cores)
-REQUEST_TIMEOUT = 240.0  # seconds for one batch of completions
+# pytest-timeout counts a test function only (pyproject.toml): the fixtures bound their own waits (VllmServer's
+# START_TIMEOUT, REQUEST_TIMEOUT), each test its own, every one of them shorter than the 600 s a test may take
 TAUGHT = 3  # the store holds the no-speculation outputs of the first TAUGHT prompts (the others: wrong drafts)
-
-
-class VllmServer:
-    """vLLM's OpenAI server in a subprocess (its own process group), up once /health answers."""
-
-    def __init__(self, python: str, model: Path, log: Path, *, spec: dict[str, Any] | None, env: dict[str, str]):
-        import os
-        import socket
-        import subprocess
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.model, self.log = str(model), log
-        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", "float32"]
-        args += ["--port", str(self.port), "--max-model-len", "1024", "--max-num-seqs", "8", "--seed", "0", "-O0"]
-        if spec is not None:
-            args += ["--speculative-config", json.dumps(spec)]
-        full = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
-
-    def wait_ready(self, *, timeout: float = START_TIMEOUT) -> None:
-        """Wait until the server answers /health; fail with its log's tail when it exits or the deadline passes."""
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)  # polling a condition under a deadline
-        pytest.fail(f"vLLM did not answer within {timeout:.0f} s:\n{self.tail()}")
-
-    def complete(self, prompts: list[str]) -> list[str]:
-        """Return the greedy completions of the prompts, sent at once (one batch)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        import httpx
-
-        def one(prompt: str) -> str:
-            body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-            reply = httpx.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=REQUEST_TIMEOUT)
-            reply.raise_for_status()
-            return str(reply.json()["choices"][0]["text"])
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(one, prompts))
-
-    def counters(self) -> dict[str, float]:
-        """Return vLLM's spec-decode counters from /metrics (drafts, draft tokens, accepted tokens)."""
-        import httpx
-
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
-        found: dict[str, float] = {}
-        for line in text.splitlines():
-            name = line.split("{")[0]
-            if name.startswith("vllm:spec_decode_num_") and name.endswith("_total"):
-                found[name.removeprefix("vllm:spec_decode_num_")] = float(line.rsplit(" ", 1)[1])
-        return found
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL after 60 s)."""
-        import os
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
