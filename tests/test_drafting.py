@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psycopg
 import pytest
+from crest_client.draft import Draft
 
 from crest.config import IngestOptions, VllmSettings
 from crest.drafters.recent import RecentIndex
@@ -239,3 +241,96 @@ def test_a_kind_registered_from_outside_crest_is_served_through_the_hub(
     finally:
         running.stop()
     assert accepted[0] == 0 and accepted[1] >= 20, accepted  # the first answer drafts the second whole
+
+
+class _Phrasebook:
+    """A toy kind of part from outside crest: per store, one known text; a row's view drafts what follows its context
+    there, from the batch's prefetch."""
+
+    opened: list[str] = []
+    batches: list[int] = []
+    text: list[int] = []
+
+    def __init__(self, store: str) -> None:
+        self.store = store
+
+    def follow(self, context: Sequence[int]) -> list[int]:
+        text, tail = self.text, list(context[-4:])
+        for at in range(len(text) - len(tail), -1, -1):
+            if text[at : at + len(tail)] == tail:
+                return text[at + len(tail) : at + len(tail) + 8]
+        return []
+
+
+class _PhraseLease:
+    def __init__(self, book: _Phrasebook) -> None:
+        self.book, self.misses = book, 0
+        self.ready: tuple[int, list[int]] | None = None  # (context length, prefetched continuation)
+
+    def draft(self, context: Sequence[int], max_nodes: int) -> Draft | None:
+        ready, self.ready = self.ready, None
+        if ready is None or ready[0] != len(context):
+            self.misses += 1
+            ready = (len(context), self.book.follow(context))
+        ids = ready[1][:max_nodes]
+        if not ids:
+            return None
+        k = len(ids)
+        return Draft(np.array(ids, np.int64), np.arange(-1, k - 1, dtype=np.int32), np.full(k, 4, np.int64), 4)
+
+
+def _prefetch_phrases(leases: Sequence[_PhraseLease], rows: Sequence[Any], max_nodes: int) -> None:
+    _Phrasebook.batches.append(len(leases))
+    for lease, row in zip(leases, rows, strict=True):
+        lease.ready = (len(row.context), lease.book.follow(row.context))
+
+
+def _open_phrasebook(store: str, **_: Any) -> _Phrasebook:
+    _Phrasebook.opened.append(store)
+    return _Phrasebook(store)
+
+
+def test_a_kind_on_a_new_kind_of_part_from_outside_crest_is_opened_once_leased_and_prefetched_per_batch(
+    db_dsn: str, tiny_served: Any, smollm2_tokenizer: Any, smollm2_gguf: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A new kind of part is one module: its `Part` (open, lease, prefetch) and the `Kind` built on it, registered."""
+    from crest.drafters import parts, registry
+    from crest.serving.app import create_app
+    from crest.serving.engine import Engine
+    from crest.serving.scheduler import Scheduler
+    from tests.fix_serving import Running, flat_cost, greedy_reference
+
+    monkeypatch.setattr(registry, "_KINDS", dict(registry._KINDS))
+    monkeypatch.setattr(parts, "_PARTS", dict(parts._PARTS))
+    parts.register_part(parts.Part("phrasebook", "--store NAME", _open_phrasebook, lease=_PhraseLease,
+                                   prefetch=_prefetch_phrases))  # fmt: skip
+    registry.register(registry.Kind("phrases", ("phrasebook",), lambda found: found["phrasebook"]))
+    corpus = tmp_path / "toy.jsonl"
+    corpus.write_text(json.dumps({"text": "an unrelated text, " * 30}) + "\n", encoding="utf-8")
+    ingest([str(corpus)], store="toy", tokenizer=str(smollm2_gguf), dsn=db_dsn, options=IngestOptions(top_t=100))
+    prompts = ["def add(a, b):\n    return", "class Point:\n    def", "import os\nimport"]
+    wants = []
+    for prompt in prompts:
+        ids = smollm2_tokenizer.hf.encode(prompt, add_special_tokens=False)
+        out = greedy_reference(tiny_served, ids, 24)
+        wants.append(smollm2_tokenizer.hf.decode(out, skip_special_tokens=True))
+        _Phrasebook.text = [*_Phrasebook.text, *ids, *out]
+    _Phrasebook.opened, _Phrasebook.batches = [], []
+    sched = Scheduler(tiny_served, smollm2_tokenizer.hf, cost=flat_cost(), max_batch=4)
+    engine = Engine(sched, smollm2_tokenizer.hf, model_name="tiny", store="toy", drafter="phrases", dsn=db_dsn,
+                    fingerprint=smollm2_tokenizer.fingerprint, learning=LearnOptions(refresh_interval=0, recent=None,
+                    feed_interval=0))  # fmt: skip
+    running = Running(create_app(engine), engine, tiny_served, smollm2_tokenizer.hf)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda p: running.client().completions.create(model="tiny", prompt=p,
+                                    max_tokens=24, temperature=0), prompts))  # fmt: skip
+    finally:
+        running.stop()
+    assert [r.choices[0].text for r in replies] == wants  # exact, whatever the part drafts
+    accepted = [int(((r.usage.model_extra or {}) if r.usage else {}).get("crest", {}).get("accepted_draft_tokens", 0))
+                for r in replies]  # fmt: skip
+    assert min(accepted) >= 12, accepted  # the part drafted every answer from the known text
+    assert _Phrasebook.opened == ["toy"]  # opened once for all requests
+    assert max(_Phrasebook.batches) > 1  # rows of one step looked up in one prefetch

@@ -73,7 +73,7 @@ def test_rows_on_a_text_served_before_draft_it_from_memory_without_the_database(
     rows = []
     for start in (0, 150):
         parts = hub.row_parts("crest+prompt", "words")
-        rows.append(ProposerRow(parts.drafter, parts.lease, None, 0, served[start : start + DEEP_MATCH]))
+        rows.append(ProposerRow(parts.drafter, parts.leases, 0, served[start : start + DEEP_MATCH]))
     k, steps, before = 8, 0, store.stats["lookups"]
     while all(len(r.tokens) < DEEP_MATCH + 200 for r in rows):
         chains = draft_chains(policy, [(r, k) for r in rows])
@@ -94,7 +94,7 @@ def test_rows_on_a_text_served_before_draft_it_from_memory_without_the_database(
 def test_a_row_off_every_stream_looks_up_its_store_once_per_step(hub: DraftHub) -> None:
     text = [int(t) for t in np.random.default_rng(3).integers(2, 10, size=64)]  # nothing served: no recent match
     parts = hub.row_parts("crest+prompt", "words")
-    row = ProposerRow(parts.drafter, parts.lease, None, 0, text[:20])
+    row = ProposerRow(parts.drafter, parts.leases, 0, text[:20])
     store = hub.store("words")
     policy = DraftPolicy(budget=32, adaptive=False)
     for step in range(5):

@@ -21,14 +21,14 @@ import numpy as np
 from crest_client.draft import Draft
 from crest_client.order import order_small
 
+import crest.drafters.dense_lease  # noqa: F401  (registers the part "dense_index" its kinds are built on)
 from crest.decoding.drafter import Drafter
-from crest.drafters.dense_index import DenseIndex, Neighbours
+from crest.drafters.dense_index import NEIGHBOURS, DenseIndex, Neighbours
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
 from crest.drafters.registry import Kind, register
 from crest.drafters.store import StoreDrafter
 
-NEIGHBOURS = 16  # k: stored states fetched per lookup
 MAX_DRAFTS = 8  # of those agreeing with the target's token, the most similar kept
 WEIGHT_SCALE = 1000  # integer weight of a neighbour of similarity 1
 

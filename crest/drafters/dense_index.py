@@ -28,6 +28,8 @@ from crest.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
+NEIGHBOURS = 16  # k: stored states fetched per lookup
+
 LIVE_INTERVAL = 1.0  # seconds between looks for a newly published live dense part (the client's refresh_interval)
 Neighbours = list[tuple[list[int], float]]  # (continuation token ids, cosine similarity), best first
 

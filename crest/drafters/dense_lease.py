@@ -6,7 +6,8 @@ row's `DenseDrafter`. Before the rows draft, the scheduler hands each row's draf
 predicted its last token and `prefetch_dense` sends the states of all rows of one index as one batched search
 (`DenseIndex.search`, one statement); each lease then answers its row's search from that batch. A search the
 batch did not prefetch (another state, another `k`) goes to the index itself. A database that is down gives
-every row no neighbours (no dense drafts, no error), as the index does alone.
+every row no neighbours (no dense drafts, no error), as the index does alone. This module registers the part
+"dense_index" (`crest.drafters.parts`): rows whose state is unknown this step are not searched.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from crest_client.names import check_store_name
 
-from crest.drafters.dense import NEIGHBOURS
-from crest.drafters.dense_index import Neighbours
+from crest.drafters.dense_index import NEIGHBOURS, Neighbours, open_dense
+from crest.drafters.parts import BatchRow, Part, register_part
 
 
 class DenseLease:
@@ -54,3 +56,21 @@ def prefetch_dense(leases: Sequence[DenseLease], hidden: Sequence[np.ndarray], *
         found = leases[members[0]].index.search(np.stack(states), k=k)  # [] per row while the database is down
         for i, state, row in zip(members, states, found, strict=True):
             leases[i].put(state, k, row)
+
+
+def _prefetch_rows(leases: Sequence[DenseLease], rows: Sequence[BatchRow], max_nodes: int) -> None:
+    known = [(lease, row.hidden) for lease, row in zip(leases, rows, strict=True) if row.hidden is not None]
+    if known:
+        prefetch_dense([lease for lease, _ in known], [state for _, state in known])
+
+
+register_part(
+    Part(
+        "dense_index",
+        "--store NAME with a dense part (build one with `crest ingest ... --dense-model MODEL`)",
+        open_dense,
+        check=check_store_name,
+        lease=DenseLease,
+        prefetch=_prefetch_rows,
+    )
+)

@@ -6,7 +6,8 @@ store part of every row reads from a `StoreLease`: before the rows draft, `prefe
 live tiers together), and each lease hands its row's answer to the row's drafter. A lease also carries the
 store's in-process recent tier, which needs no round trip. A store or database error
 costs those rows their store drafts only; a store whose database was down at start (a `PendingStore`) drafts
-nothing until it connects. `crest serve`'s scheduler and the vLLM proposer both draft this way.
+nothing until it connects. `crest serve`'s scheduler and the vLLM proposer both draft this way: this module
+registers the part "store" (`crest.drafters.parts`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from crest_client.draft import Draft
+from crest_client.names import check_store_name
 
-from crest.drafters.store import STORE_ERRORS
+from crest.drafters.parts import BatchRow, Part, register_part
+from crest.drafters.store import STORE_ERRORS, open_store
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +112,12 @@ def _draft_many(store: Any, contexts: list[Sequence[int]], max_nodes: int) -> li
     if many is not None:
         return [[d, None] for d in many(contexts, max_nodes=max_nodes)]
     return [[store.draft(c, max_nodes), None] for c in contexts]
+
+
+def _prefetch_rows(leases: Sequence[StoreLease], rows: Sequence[BatchRow], max_nodes: int) -> None:
+    prefetch(leases, [row.context for row in rows], max_nodes=max_nodes)
+
+
+register_part(
+    Part("store", "--store NAME", open_store, check=check_store_name, lease=StoreLease, prefetch=_prefetch_rows)
+)

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crest_client.names import check_store_name
-
+import crest.drafters.lease  # noqa: F401  (registers the part "store")
 from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.drafters.merged import MergedDrafter
+from crest.drafters.parts import part_names, part_of
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.store import CONNECT_TIMEOUT, RETRY_INTERVAL, StoreDrafter, open_store
-from crest.drafters.suffix_array import RestDrafter, RestIndex, check_rest_index
+from crest.drafters.store import CONNECT_TIMEOUT, RETRY_INTERVAL, StoreDrafter
+from crest.drafters.suffix_array import RestDrafter, RestIndex
 from crest.errors import ConfigError
 
 WHERE = ("generate", "serve", "bench", "vllm")  # the places a drafter may run
@@ -37,18 +37,12 @@ class Kind:
     """A drafter name: the parts it is built on, where it may run, and how it is built from those parts opened."""
 
     name: str
-    needs: tuple[str, ...]  # parts, each a key of NEEDS: "store", "rest_index"
+    needs: tuple[str, ...]  # parts, each a registered `crest.drafters.parts.Part`: "store", "rest_index", ...
     build: Callable[[dict[str, Any]], Drafter]  # {need: opened part} -> drafter
     runs: frozenset[str] = frozenset(WHERE)  # where it may run: generate, serve (per request), bench, vllm
     summary: str = ""  # one line for --help
     fallback: str = "none"  # the kind that drafts instead when a part it needs cannot be used (`usable_kind`)
 
-
-NEEDS = {  # what each part is, as an option that gives it
-    "store": "--store NAME",
-    "rest_index": "--rest-index DIR (build one with `crest rest-index build`)",
-    "dense_index": "--store NAME with a dense part (build one with `crest ingest ... --dense-model MODEL`)",
-}
 
 _KINDS: dict[str, Kind] = {}
 # drafter -> the parts open_drafter opened for it (its owner closes them with close_drafter); a drafter built on
@@ -58,7 +52,7 @@ _OPENED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 def register(kind: Kind) -> None:
     """Add a drafter name (ConfigError if the name is taken or it needs a part the registry cannot open)."""
-    unknown = [need for need in kind.needs if need not in NEEDS]
+    unknown = [need for need in kind.needs if need not in part_names()]
     if kind.name in _KINDS or unknown or not set(kind.runs) <= set(WHERE):
         raise ConfigError(f"cannot register drafter {kind.name!r}: taken, or unknown parts {unknown} or places")
     _KINDS[kind.name] = kind
@@ -82,6 +76,11 @@ def crest_names(where: str | None = None) -> tuple[str, ...]:
 def kind_of(name: str) -> Kind:
     """Return the registered kind called `name` (case and spaces ignored; ConfigError if there is none)."""
     return _kind(name)[1]
+
+
+def needs_store(name: str) -> bool:
+    """Return whether the kind `name` is built on a part of a store (the store itself, its dense part, ...)."""
+    return any(part_of(need).named_by == "store" for need in kind_of(name).needs)
 
 
 def usable_kind(name: str, missing: set[str] | frozenset[str]) -> str:
@@ -134,34 +133,33 @@ def check_drafter(
     holding one.
     """
     key, kind = _kind(name, where)
-    given = {"store": store, "rest_index": rest_index, "dense_index": store}
+    given = {"store": store, "rest_index": rest_index}
     for need in kind.needs:
-        if not given[need]:
+        part = part_of(need)
+        value = given[part.named_by]
+        if not value:
             raise _missing(key, need)
-    if "store" in kind.needs or "dense_index" in kind.needs:
-        check_store_name(str(store))
-    if "rest_index" in kind.needs:
-        check_rest_index(str(rest_index))
+        if part.check is not None:
+            part.check(str(value))
     return key
 
 
-def make_drafter(name: str, *, store: Any = None, rest_index: Any = None, dense_index: Any = None) -> Drafter:
-    """Return the drafter called `name` built on parts already open.
+def make_drafter(name: str, **parts: Any) -> Drafter:
+    """Return the drafter called `name` built on parts already open, given by part name.
 
     `store` is a `crest_client.Store` (or anything with its `draft` method); `rest_index` a `RestIndex` or the
-    directory of a saved one; `dense_index` a `crest.drafters.dense_index.DenseIndex`. A part the drafter does not
-    need is ignored.
+    directory of a saved one; `dense_index` a `crest.drafters.dense_index.DenseIndex`; another registered part
+    what its `open` returns (or a row's view of it). A part the drafter does not need is ignored.
     """
     key, kind = _kind(name)
-    given = {"store": store, "rest_index": rest_index, "dense_index": dense_index}
-    parts: dict[str, Any] = {}
+    built: dict[str, Any] = {}
     for need in kind.needs:
-        if given[need] is None:
+        if parts.get(need) is None:
             raise _missing(key, need)
-        parts[need] = given[need]
-    if isinstance(parts.get("rest_index"), str | Path):
-        parts["rest_index"] = RestIndex.load(parts["rest_index"])
-    return kind.build(parts)
+        built[need] = parts[need]
+    if isinstance(built.get("rest_index"), str | Path):
+        built["rest_index"] = RestIndex.load(built["rest_index"])
+    return kind.build(built)
 
 
 def open_drafter(
@@ -182,31 +180,21 @@ def open_drafter(
     """
     key = check_drafter(name, store=store, rest_index=rest_index)
     kind = _KINDS[key]
+    given = {"store": store, "rest_index": rest_index}
     parts: dict[str, Any] = {}
     opened: list[Any] = []  # what holds connections: closed by close_drafter, or here when a later part fails
     try:
-        if "store" in kind.needs:
-            parts["store"] = open_store(
-                str(store),
+        for need in kind.needs:
+            part = part_of(need)
+            parts[need] = part.open(
+                str(given[part.named_by]),
                 dsn=dsn,
                 fingerprint=fingerprint,
                 connect_timeout=connect_timeout,
                 retry_interval=retry_interval,
             )
-            opened.append(parts["store"])
-        if "rest_index" in kind.needs:
-            parts["rest_index"] = RestIndex.load(str(rest_index))
-        if "dense_index" in kind.needs:
-            from crest.drafters.dense_index import open_dense  # its kinds register from crest.drafters.dense
-
-            parts["dense_index"] = open_dense(
-                str(store),
-                dsn=dsn,
-                fingerprint=fingerprint,
-                connect_timeout=connect_timeout,
-                retry_interval=retry_interval,
-            )
-            opened.append(parts["dense_index"])
+            if callable(getattr(parts[need], "close", None)):
+                opened.append(parts[need])
         drafter = kind.build(parts)
     except BaseException:
         _close_all(opened)
@@ -217,7 +205,7 @@ def open_drafter(
 
 
 def close_drafter(drafter: Drafter) -> None:
-    """Close the store and dense part that `open_drafter` opened for `drafter` (a no-op for any other drafter)."""
+    """Close the parts that `open_drafter` opened for `drafter` (a no-op for any other drafter)."""
     _close_all(_OPENED.pop(drafter, []))
 
 
@@ -236,4 +224,4 @@ def _kind(name: str, where: str | None = None) -> tuple[str, Kind]:
 
 
 def _missing(key: str, need: str) -> ConfigError:
-    return ConfigError(f"--drafter {key} needs {NEEDS[need]}")
+    return ConfigError(f"--drafter {key} needs {part_of(need).option}")

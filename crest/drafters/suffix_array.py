@@ -31,6 +31,7 @@ import numpy as np
 from crest_client.draft import Draft
 
 from crest.config import resolve_model_spec
+from crest.drafters.parts import Part, register_part
 from crest.drafters.trie import build_draft
 from crest.errors import ConfigError, CorpusError
 
@@ -388,3 +389,22 @@ def _index_dir(target: Path, out: str) -> bool:
     except OSError as exc:
         raise ConfigError(f"cannot create --out {out!r}: {exc.strerror or exc}") from None
     return True
+
+
+def _open_rest(path: str | Path, **_: Any) -> RestIndex:
+    return RestIndex.load(path)
+
+
+def _check_rest(path: str) -> None:
+    check_rest_index(path)
+
+
+register_part(
+    Part(
+        "rest_index",
+        "--rest-index DIR (build one with `crest rest-index build`)",
+        _open_rest,
+        named_by="rest_index",
+        check=_check_rest,
+    )
+)

@@ -36,6 +36,7 @@ from crest.config import (
 from crest.drafters.dense_index import DenseIndex, open_dense
 from crest.drafters.dense_lease import DenseLease
 from crest.drafters.lease import StoreLease
+from crest.drafters.parts import lease_part, part_names, part_of
 from crest.drafters.recent import RecentIndex, RecentOptions
 from crest.drafters.registry import kind_of, make_drafter, usable_kind
 from crest.drafters.store import RETRY_INTERVAL, open_store
@@ -80,12 +81,21 @@ def process_source(kind: str) -> str:
 
 @dataclass
 class RowParts:
-    """One request's drafter and the leases it reads through (the scheduler or proposer prefetches them)."""
+    """One request's drafter and the part views it reads through (the scheduler or proposer prefetches them)."""
 
     drafter: Any  # None: plain decoding
     kind: str  # the drafter kind actually used (a part that cannot be used falls back, `usable_kind`)
-    lease: StoreLease | None = None
-    dense: DenseLease | None = None
+    leases: dict[str, Any] = field(default_factory=dict)  # part name -> the row's view (`prefetch_parts` fills it)
+
+    @property
+    def lease(self) -> StoreLease | None:
+        """Return the row's view of its store (None: the drafter reads none)."""
+        return self.leases.get("store")
+
+    @property
+    def dense(self) -> DenseLease | None:
+        """Return the row's view of its store's dense part (None: the drafter reads none)."""
+        return self.leases.get("dense_index")
 
 
 class DraftHub:
@@ -110,6 +120,7 @@ class DraftHub:
         self.on_event = on_event  # (method name, *args): counters of a metrics object
         self._stores: dict[str, Any] = {}
         self._dense: dict[str, DenseIndex] = {}
+        self._parts: dict[tuple[str, str], Any] = {}  # (part, store) -> another kind of part, opened once
         self._no_dense: set[str] = set()  # opened stores without a usable dense part
         self._learners: dict[str, Learner] = {}
         self._recent: dict[str, RecentIndex] = {}
@@ -140,9 +151,9 @@ class DraftHub:
         if self.refresher is not None:
             self.refresher.stop()
         with self._lock:
-            stores = [*self._stores.values(), *self._dense.values()]
+            stores = [*self._stores.values(), *self._dense.values(), *self._parts.values()]
             learners = list(self._learners.values())
-            self._stores, self._dense, self._learners, self._recent = {}, {}, {}, {}
+            self._stores, self._dense, self._learners, self._recent, self._parts = {}, {}, {}, {}, {}
         end = time.monotonic() + CLOSE_TIMEOUT  # one deadline for all: a database that is down costs it once
         for learner in learners:
             learner.close(timeout=max(0.0, end - time.monotonic()))
@@ -248,20 +259,37 @@ class DraftHub:
         """
         missing = set()
         if store is None:
-            missing |= {"store", "dense_index"}
+            missing |= {need for need in part_names() if part_of(need).named_by == "store"}
         elif "dense_index" in kind_of(name).needs and not strict and self._dense_missing(store):
             missing.add("dense_index")
         kind = usable_kind(name, missing)
         needs = kind_of(kind).needs
-        lease = dense_lease = None
-        if store is not None and ("store" in needs or self.records):
-            opened = self.store(store)  # also for a request that only teaches its store
-            if "store" in needs:
-                lease = StoreLease(opened, recent=self.recent(store))
-        if store is not None and "dense_index" in needs:
-            dense_lease = DenseLease(self.dense_index(store))
-        drafter = None if kind == "none" else make_drafter(kind, store=lease, dense_index=dense_lease)
-        return RowParts(drafter, kind, lease, dense_lease)
+        if store is not None and "store" not in needs and self.records:
+            self.store(store)  # a request that only teaches its store
+        leases = {need: self._lease(need, store) for need in needs if store is not None}
+        drafter = None if kind == "none" else make_drafter(kind, **leases)
+        return RowParts(drafter, kind, leases)
+
+    def part(self, need: str, store: str) -> Any:
+        """Return the part `need` of store `store`, opened once (a store, its dense part, another registered part)."""
+        if need == "store":
+            return self.store(store)
+        if need == "dense_index":
+            return self.dense_index(store)
+        with self._lock:
+            found = self._parts.get((need, store))
+            if found is None:
+                found = self._parts[need, store] = part_of(need).open(
+                    store, dsn=self.read_dsn, fingerprint=self.fingerprint, retry_interval=self.retry_interval
+                )
+            return found
+
+    def _lease(self, need: str, store: str) -> Any:
+        """Return one row's view of the part `need` of store `store` (a store's carries its recent tier)."""
+        opened = self.part(need, store)
+        if need == "store":
+            return StoreLease(opened, recent=self.recent(store))
+        return lease_part(need, opened)
 
     def learn(
         self,

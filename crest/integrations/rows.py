@@ -7,8 +7,9 @@ Each step, every row that drafts gets its chain the cheapest way that is as good
 2. else a deep match in the store's recent tier (what this process and its replicas served moments ago, in
    memory): a context whose last `DEEP_MATCH` tokens or more occurred before is drafting that text again, and
    its continuation needs neither the database nor a merge;
-3. else the row's drafter: the store's tiers from one batched round trip for all such rows (`prefetch`), merged
-   with the recent tier and the prompt, and the best path of that tree (`best_chain`).
+3. else the row's drafter: its parts looked up for all such rows at once (`prefetch_parts`: the store's tiers in
+   one round trip, a dense part's neighbours in one search), merged with the recent tier and the prompt, and the
+   best path of that tree (`best_chain`).
 Each chain is drafted as deep as the lookup allows (`STREAM_DEPTH`); a step hands out at most its room, and the
 rest is the stream. The per-part accepted counts (what the learned row records) follow each chain's parts.
 """
@@ -19,12 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from crest_client.draft import Draft, empty_draft
 
 from crest.decoding.drafter import drafted_parts
 from crest.decoding.policy import DraftPolicy
-from crest.drafters.dense_lease import DenseLease
-from crest.drafters.lease import StoreLease, prefetch
+from crest.drafters.lease import StoreLease
+from crest.drafters.parts import BatchRow, prefetch_parts
 from crest.integrations.chain import ChainStream, best_chain, chain_parts
 
 
@@ -46,10 +48,10 @@ class ProposerRow:
     """One request's state between steps: its drafter, tokens, last chain and figures for its learned row."""
 
     drafter: Any
-    lease: StoreLease | None
-    dense: DenseLease | None  # the row's view of the dense part (None: the drafter has none)
+    leases: dict[str, Any]  # part name -> the row's view, inside its drafter (`DraftHub.row_parts`)
     prompt_length: int  # -1: unknown (no request ids found): nothing learned
     tokens: list[int]
+    hidden: np.ndarray | None = None  # [H] the state that predicted the last token, this step (None: unknown)
     chain: Draft = field(default_factory=empty_draft)  # the chain handed out for a context of `chain_at` tokens
     chain_at: int = -1
     stream: ChainStream = field(default_factory=ChainStream)
@@ -58,6 +60,11 @@ class ProposerRow:
     accepted: int = 0
     parts: dict[str, int] = field(default_factory=dict)
     learned: bool = False
+
+    @property
+    def lease(self) -> StoreLease | None:
+        """Return the row's view of its store (None: its drafter reads none)."""
+        return self.leases.get("store")
 
     def verified(self, new: list[int]) -> int:
         """Count the step that verified this row's last chain (`new`: accepted tokens, then the bonus one); return
@@ -83,9 +90,8 @@ def draft_chains(policy: DraftPolicy, live: Sequence[tuple[ProposerRow, int]]) -
             looked.append(j)
         else:
             chains[j] = chain
-    leased = [live[j][0] for j in looked if live[j][0].lease is not None]
-    if leased:
-        prefetch([r.lease for r in leased], [r.tokens for r in leased], max_nodes=policy.budget)  # type: ignore[misc]
+    rows = [live[j][0] for j in looked]
+    prefetch_parts([(r.leases, BatchRow(r.tokens, r.hidden)) for r in rows], max_nodes=policy.budget)
     for j in looked:
         row, room = live[j]
         tree = policy.draft(row.drafter, row.tokens, room=STREAM_DEPTH)

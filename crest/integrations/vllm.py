@@ -39,7 +39,6 @@ from crest.config import VllmSettings, vllm_settings
 from crest.decoding.hidden import feed_hidden, model_fingerprint
 from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
 from crest.decoding.sizing import CostModel
-from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.drafters.recent import RecentOptions
 from crest.drafters.registry import check_drafter, kind_of, usable_kind
 from crest.drafting.hub import DraftHub, LearnOptions, process_source
@@ -210,7 +209,7 @@ class CrestProposer:
         self._forget(set(keys))
         drafts: list[list[int]] = [[] for _ in range(rows)]
         if live and not self.policy.skip(len(live)):
-            self._feed_dense(live, batch)  # only for a step that drafts: the search costs a round trip
+            self._feed_dense(live, batch)  # only for a step that drafts
             chains = draft_chains(self.policy, [(r, room) for _, r, room in live])
             cut, _ = self.policy.size(chains)
             for (i, row, _), chain in zip(live, cut, strict=True):
@@ -225,18 +224,13 @@ class CrestProposer:
         return dict(getattr(self.store, "stats", None) or {})
 
     def _feed_dense(self, live: list[tuple[int, ProposerRow, int]], batch: RunnerBatch | None) -> None:
-        """Hand each dense row the state that predicted its last token and search them all in one statement."""
+        """Hand each dense row the state that predicted its last token (its part is searched with the lookups)."""
         if self.dense is None:
             return
         states = batch.hidden if batch is not None and self._model_checked else None
-        fed: list[tuple[DenseLease, np.ndarray]] = []
         for i, row, _ in live:
-            state = states[i] if states is not None else None
-            feed_hidden(row.drafter, len(row.tokens), state)  # None: no dense draft this step
-            if state is not None and row.dense is not None:
-                fed.append((row.dense, state))
-        if fed:
-            prefetch_dense([lease for lease, _ in fed], [state for _, state in fed])
+            row.hidden = states[i] if states is not None else None
+            feed_hidden(row.drafter, len(row.tokens), row.hidden)  # None: no dense draft this step
 
     def _row(self, key: str, tokens: np.ndarray, prompt_length: int) -> ProposerRow:
         """Return the request's state, made on its first step (or afresh when the row holds another request)."""
@@ -251,7 +245,7 @@ class CrestProposer:
         if row is None:
             parts = self.hub.row_parts(self.name, self.settings.store if self.store is not None else None,
                                        strict=False)  # fmt: skip
-            row = ProposerRow(parts.drafter, parts.lease, parts.dense, int(prompt_length), tokens.tolist())
+            row = ProposerRow(parts.drafter, parts.leases, int(prompt_length), tokens.tolist())
             self._rows[key] = row
         return row
 

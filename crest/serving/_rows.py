@@ -7,7 +7,6 @@ projected state behind each token it emits, gathered with the others in one call
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,6 @@ import numpy as np
 
 from crest.decoding.generator import DecodeState
 from crest.decoding.hidden import feed_hidden
-from crest.drafters.dense_lease import DenseLease, prefetch_dense
 from crest.serving.request import Outcome, Request
 
 
@@ -70,20 +68,11 @@ def keep_hidden_states(rows: list[Row], accepted: list[list[int]]) -> None:
             at += end - start
 
 
-def feed_hidden_states(rows: list[Row], *, room: Callable[[DecodeState], int]) -> None:
-    """Hand each hidden-state row's drafter its state; search all rows' dense leases, one statement per index."""
-    leases: list[DenseLease] = []
-    states: list[Any] = []
+def feed_hidden_states(rows: list[Row]) -> None:
+    """Hand each hidden-state row's drafter the state that predicted its last token (None: unknown)."""
     for row in rows:
-        state = row.state
-        if state.tap is None:
-            continue
-        feed_hidden(row.request.drafter, len(state.context), state.hidden)
-        if state.hidden is not None and room(state) > 0:
-            leases.extend(row.request.dense)
-            states.extend([state.hidden] * len(row.request.dense))
-    if leases:
-        prefetch_dense(leases, states)
+        if row.state.tap is not None:
+            feed_hidden(row.request.drafter, len(row.state.context), row.state.hidden)
 
 
 def record_prefill(row: Row) -> None:

@@ -27,7 +27,7 @@ from crest.drafters.dense import HiddenMerged
 from crest.drafters.dense_index import DenseIndex
 from crest.drafters.merged import MergedDrafter
 from crest.drafters.prompt import PromptDrafter
-from crest.drafters.registry import check_drafter, kind_of, names, usable_kind
+from crest.drafters.registry import check_drafter, kind_of, names, needs_store, usable_kind
 from crest.drafters.store import RETRY_INTERVAL
 from crest.drafting.hub import DraftHub, LearnOptions, process_source
 from crest.errors import ConfigError, ModelError
@@ -184,9 +184,7 @@ class Engine:
             predicted = PredictionDrafter(ids, len(prompt))
             merged = HiddenMerged if wants_hidden(base) else MergedDrafter  # hidden states reach the dense part
             base = predicted if base is None else merged(base, predicted)
-        leases = [parts.lease] if parts.lease is not None else []
-        dense = [parts.dense] if parts.dense is not None else []
-        return Request(prompt, drafter=base, leases=leases, dense=dense, store=store_name, **options)
+        return Request(prompt, drafter=base, parts=parts.leases, store=store_name, **options)
 
     def check_drafter(self, drafter: str | None, store: str | None) -> tuple[str, str | None]:
         """Return a request's drafter and its store (given, else the server's; None: none); ConfigError if bad."""
@@ -196,7 +194,7 @@ class Engine:
         if kind is None:
             raise ConfigError(f"unknown drafter {requested!r}: this server drafts with one of {', '.join(served)}")
         store_name = store or self.default_store
-        if ("store" in kind.needs or "dense_index" in kind.needs) and not store_name:
+        if needs_store(kind.name) and not store_name:
             raise ConfigError(
                 f'drafter {kind.name!r} needs a store: give "crest_store" or start the server with --store'
             )

@@ -9,7 +9,7 @@ hidden states recorded for the store's live dense part.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +17,6 @@ import numpy as np
 
 from crest.decoding.drafter import Drafter
 from crest.decoding.generator import GenerationResult
-from crest.drafters.dense_lease import DenseLease
-from crest.drafters.lease import StoreLease
 from crest.errors import CrestError
 
 
@@ -42,8 +40,9 @@ class Request:
     seed: int | None = None
     stop: Sequence[str] = ()
     drafter: Drafter | None = None
-    leases: Sequence[StoreLease] = ()  # the store views inside `drafter`, filled once per step for the batch
-    dense: Sequence[DenseLease] = ()  # the dense-index views inside `drafter`, searched once per step for the batch
+    # the part views inside `drafter` by part name (a store's, its dense part's), looked up once per step for the
+    # batch (`crest.drafters.parts.prefetch_parts`)
+    parts: Mapping[str, Any] = field(default_factory=dict)
     store: str | None = None  # the store the request belongs to: it drafts from it and, learning, teaches it
     learn_dense: Any = None  # a `DenseMeta`: project the states of its tokens for the store's live dense part
     on_text: Callable[[str], None] | None = None

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,11 +28,11 @@ import numpy as np
 import torch
 from crest_client.draft import Draft, empty_draft
 
-from crest.decoding.generator import SpeculativeGenerator
+from crest.decoding.generator import DecodeState, SpeculativeGenerator
 from crest.decoding.hidden import bind_drafter, model_tap, wants_hidden
 from crest.decoding.sampling import accept_greedy, children_of
 from crest.decoding.sizing import CostModel
-from crest.drafters.lease import prefetch
+from crest.drafters.parts import BatchRow, prefetch_parts
 from crest.errors import CrestError
 from crest.learning.requests import tally_parts
 from crest.serving._rows import NoCache, Row, feed_hidden_states, keep_hidden_states, record_prefill
@@ -250,10 +251,13 @@ class Scheduler:
         if self.budget <= 0 or self.policy.skip(len(rows)):
             # nothing to draft, or drafting did not pay on the last tries at this batch size: spare the drafters
             return [empty_draft() for _ in rows], 0.0
-        leases = [(lease, row.state.context) for row in rows for lease in row.request.leases]
-        if leases:
-            prefetch([lease for lease, _ in leases], [ctx for _, ctx in leases], max_nodes=self.budget)
-        feed_hidden_states(self._rows, room=self.gen.room)
+        feed_hidden_states(rows)
+        # every row's part views looked up for the batch: a store's in one round trip, a dense part's in one search
+        # (a row with no room left or no state this step is not searched)
+        prefetch_parts(
+            [(row.request.parts, BatchRow(row.state.context, _query(row, self.gen.room))) for row in rows],
+            max_nodes=self.budget,
+        )
         drafts = [
             self.policy.draft(row.request.drafter, row.state.context, room=self.gen.room(row.state)) for row in rows
         ]
@@ -292,3 +296,9 @@ class Scheduler:
     def _report_depth(self) -> None:
         if self.metrics is not None:
             self.metrics.observe_queue(queued=self._queued, active=len(self._rows))
+
+
+def _query(row: Row, room: Callable[[DecodeState], int]) -> np.ndarray | None:
+    """Return the hidden state a row's dense part is searched with this step (None: none, or no room to draft)."""
+    state = row.state
+    return state.hidden if state.tap is not None and state.hidden is not None and room(state) > 0 else None
