@@ -141,3 +141,20 @@ def test_block_runs_as_written(block: Block, sandboxes: dict[Path, tuple[Path, d
     if re.search(r"\bcrest lookup\b", block.body):  # it exits 0 on a miss too: the docs promise a match
         missed = "matched suffix" not in done.stdout or "no stored suffix matches" in done.stdout
         assert not missed, f"{block.id}: a lookup missed\n{done.stdout[-2000:]}"
+        shown = " ".join(done.stdout.split())
+        for said in promised_suffixes(block.body):
+            assert said in shown, f"{block.id}: the docs say {said!r}, the lookup printed\n{done.stdout[-2000:]}"
+
+
+PROMISED = re.compile(r"\bcrest lookup\b[^\n#]*#.*?(matched suffix .*? \(\d+ token)")
+
+
+def promised_suffixes(body: str) -> list[str]:
+    """Return what a block's `crest lookup ... # matched suffix 'a' 'b' (2 tokens)` comments say it prints."""
+    return [m.group(1) for m in PROMISED.finditer(body)]
+
+
+def test_the_readme_says_which_suffix_its_lookup_matches() -> None:
+    """The README's lookup example names the suffix it matches, so the run above checks the rule's choice."""
+    said = [s for b in RUNNABLE if b.path.name == "README.md" for s in promised_suffixes(b.body)]
+    assert said == ["matched suffix 'self' '):' (2 token"], said
