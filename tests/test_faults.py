@@ -630,3 +630,21 @@ def test_stalled_server_gives_a_miss_within_the_timeout(running: OwnServer, refr
                 os.kill(pid, signal.SIGCONT)
         worker.join(30)
         assert not stalled, "draft() was still waiting for a stalled server"
+
+
+def test_with_the_server_down_only_one_lookup_a_second_waits_its_timeout(running: OwnServer) -> None:
+    hit = next(c for c in CONTEXTS if snapshot(running.dsn, "words")[tuple(c)] is not None)
+    timeout = 0.5
+    with Store.connect(running.dsn, "words", cache_size=0, timeout=timeout, refresh_interval=3600.0) as store:
+        assert wait_for_draft(store, hit) is not None
+        running.stop()
+        spent = []
+        for _ in range(10):
+            draft, seconds = timed_draft(store, hit)
+            assert draft is None
+            spent.append(seconds)
+        # the first lookup waits its timeout for a connection; the next ones, within DOWN_REST of it, do not wait
+        # (10 lookups that each waited would take 5 s): a bound of what the code promises, with room for load
+        assert sum(spent) < 4 * timeout, spent
+        running.start()
+        assert wait_for_draft(store, hit) is not None  # drafting resumes once the server is back

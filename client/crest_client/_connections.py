@@ -6,9 +6,11 @@ connections: kept ones first, another from the pool while fewer than its size ar
 10-25 us), a failed one handed back so the pool replaces it. `run_prepared` runs a prepared statement on libpq
 directly (psycopg's cursor layer costs ~40 us) and waits for its result until the lookup timeout on the client's
 clock; past it the statement is cancelled and the connection kept (a server that is only slow), or closed when the
-server does not answer the cancel either (one that stopped answering). In a child made by `os.fork()` the handle
-reads through a pool of its own, opened at its first lookup: the parent's connections are left to the parent,
-never used nor closed there (`register_at_fork`). While the machine has an idle CPU, a lookup
+server does not answer the cancel either (one that stopped answering). When the pool gives no connection within a
+lookup's timeout (the database is down or restarting), the lookups of the next `DOWN_REST` seconds fail at once,
+so an engine's steps are not each held for a timeout while it is gone; then one waits again. In a child made by
+`os.fork()` the handle reads through a pool of its own, opened at its first lookup: the parent's connections are
+left to the parent, never used nor closed there (`register_at_fork`). While the machine has an idle CPU, a lookup
 first busy-polls for its answer for up to `spin` seconds (`SPIN`, 200 us): a client asleep in select wakes 20-40 us
 after its answer arrives on an idle virtual machine, a quarter of a lookup. On a busy machine (load average
 at or above the CPU count, re-read once a second) it sleeps at once: there the poll would take CPU from the server.
@@ -40,6 +42,9 @@ POOL_PREFIX = "crest-client-"  # the names of the SDK's pools, whose failures `S
 
 SPIN = 0.0002  # seconds a lookup busy-polls for its answer while a CPU is idle, before it sleeps in select
 LOOKUP_TIMEOUT = 0.01  # seconds a lookup may take: the server's statement_timeout and the client's clock
+# seconds after the pool found no connection within a lookup's timeout (a database down or restarting) during which
+# lookups fail at once instead of each waiting its timeout again: a step of an engine drafts without the store then
+DOWN_REST = 1.0
 ENV_LOOKUP_TIMEOUT = "CREST_LOOKUP_TIMEOUT"  # seconds, for handles that do not pass `timeout`
 ENV_LOOKUP_SPIN = "CREST_LOOKUP_SPIN"  # seconds, for handles that do not pass `spin` (0: always sleep)
 
@@ -126,6 +131,7 @@ class Connections:
         self.timeout = float(timeout)
         self.spin = max(0.0, min(float(spin), self.timeout))
         self.polled = 0  # answers that arrived while their lookup polled
+        self._rest_until = 0.0  # monotonic time before which `take` fails at once: the pool had no connection
         self._unopened = False  # a pool made in a forked child, opened at its first lookup
         self._inherited: list[ConnectionPool] = []  # in a forked child: the parents' pools, never closed here
         self._start()
@@ -157,7 +163,10 @@ class Connections:
 
     def take(self) -> psycopg.Connection[Any]:
         """Take a kept connection, or one more from the pool while fewer than its size are out."""
-        deadline = time.monotonic() + self.timeout
+        now = time.monotonic()
+        deadline = now + self.timeout
+        if now < self._rest_until:  # the pool found no connection a moment ago: do not wait for one again yet
+            raise PoolTimeout(f"the database gave no connection within {self.timeout:g} s lately; resting")
         if self._unopened:
             self._open_pool()
         with self._kept:
@@ -171,10 +180,14 @@ class Connections:
             else:
                 return self._idle.pop()
         try:
-            return self.pool.getconn(timeout=self.timeout)
-        except BaseException:
+            conn = self.pool.getconn(timeout=self.timeout)
+        except BaseException as exc:
+            if isinstance(exc, PoolTimeout):  # a database that is down: the next lookups within DOWN_REST fail at once
+                self._rest_until = time.monotonic() + DOWN_REST
             self.drop(None)
             raise
+        self._rest_until = 0.0
+        return conn
 
     def _open_pool(self) -> None:
         """Open the pool made after a fork (without waiting: the lookup waits for a connection, bounded as ever)."""
