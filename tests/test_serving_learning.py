@@ -431,7 +431,7 @@ def test_a_request_teaches_the_store_it_names_whatever_its_drafter(
     found = engine(tiny, smollm2_tokenizer, code_dsn, LearnOptions(refresh_interval=0))
     try:
         job = found.request(prompt, drafter=drafter, store="other", prediction=None, max_tokens=8)
-        assert job.store == "other" and bool(job.leases) == (drafter == "crest+prompt")
+        assert job.store == "other" and bool(job.parts) == (drafter == "crest+prompt")
         out = found.submit(job).result(timeout=120).result.output_token_ids
     finally:
         found.stop()  # writes what was queued

@@ -38,7 +38,7 @@ class Part:
     option: str  # how a command gives it, for "--drafter X needs ..." ("--store NAME")
     open: Callable[..., Any]  # (its name or path, *, dsn, fingerprint, connect_timeout, retry_interval) -> opened
     named_by: str = "store"  # the option that names it (NAMED_BY)
-    check: Callable[[str], None] | None = None  # raises for a name or path that cannot be it, opening nothing
+    check: Callable[[str], object] | None = None  # raises for a name or path that cannot be it, opening nothing
     lease: Callable[[Any], Any] | None = None  # opened part -> one row's view (None: rows use the opened part)
     # (the batch's row views, their rows, the tree nodes asked per row): hands each view its answer
     prefetch: Callable[[Sequence[Any], Sequence[BatchRow], int], None] | None = None
