@@ -206,6 +206,25 @@ def test_the_hub_teaches_the_recent_tier_at_once_and_the_log_in_the_background(w
         hub.close()
 
 
+def test_a_repeat_behind_a_shared_chat_header_is_found_deep_at_its_answers_first_step(words: str) -> None:
+    header = [9, 9, 2]  # the template's assistant header: the same last tokens in every chat request
+    rng = np.random.default_rng(5)
+    asked = [[int(t) for t in rng.integers(2, 9, size=30)] + header for _ in range(3)]
+    answers = [[int(t) for t in rng.integers(2, 9, size=24)] for _ in range(3)]
+    hub = DraftHub(dsn=words, learning=LearnOptions(record=False, refresh_interval=0, feed_interval=0))
+    try:
+        hub.store("words")
+        recent = hub.recent("words")
+        assert recent is not None
+        for prompt, answer in zip(asked, answers, strict=True):
+            hub.learn("words", prompt, answer)
+        tree = recent.draft(asked[1], 32)  # the second request again: nothing of its answer generated yet
+        # its prompt, not only the header, was kept: the match is deep and drafts its own answer, not another's
+        assert tree is not None and tree.n >= 16 and tree.tokens.tolist()[:8] == answers[1][:8], tree
+    finally:
+        hub.close()
+
+
 def test_a_kind_registered_from_outside_crest_is_served_through_the_hub(
     db_dsn: str, tiny_served: Any, smollm2_tokenizer: Any, smollm2_gguf: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
