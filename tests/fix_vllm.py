@@ -142,6 +142,17 @@ def vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+def required_vllm_python() -> str:
+    """Return `vllm_python()`, or skip the test (fail where CI requires vLLM) when there is none."""
+    from tests.fix_require import require
+
+    python = vllm_python()
+    if python is None:
+        require("vllm", "no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
+    assert python is not None  # require skipped or failed otherwise
+    return python
+
+
 class VllmServer:
     """vLLM's OpenAI server in a subprocess (its own process group), up once /health answers."""
 

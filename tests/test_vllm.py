@@ -30,8 +30,16 @@ from crest.ingest.pipeline import ingest
 from crest.integrations.chain import best_chain
 from crest.integrations.vllm import CrestProposer
 from tests.fix_proxy import Proxy
-from tests.fix_require import require
-from tests.fix_vllm import MAX_TOKENS, REQUEST_TIMEOUT, K, Runner, VllmServer, vllm_config, vllm_python
+from tests.fix_vllm import (
+    MAX_TOKENS,
+    REQUEST_TIMEOUT,
+    K,
+    Runner,
+    VllmServer,
+    required_vllm_python,
+    vllm_config,
+    vllm_python,
+)
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -335,9 +343,7 @@ def served(pg_server: str, tmp_path_factory: pytest.TempPathFactory, smollm2_ggu
     from crest.db.versions import upgrade
     from crest.decoding.export import export_hf
 
-    python = vllm_python()
-    if python is None:
-        require("vllm", "no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
+    python = required_vllm_python()
     root = tmp_path_factory.mktemp("vllm")
     model = export_hf("smollm2", root / "smollm2")
     plain = VllmServer(python, model, root / "plain.log", spec=None, env={})

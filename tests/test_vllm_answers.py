@@ -16,8 +16,7 @@ import pytest
 
 from crest.integrations.vllm_answers import cut, hf_directory
 from tests.fix_cli import one_error_line, run
-from tests.fix_require import require
-from tests.fix_vllm import vllm_python
+from tests.fix_vllm import required_vllm_python
 
 pytest_plugins = ["tests.fix_dense"]
 
@@ -103,9 +102,7 @@ def test_vllm_writes_the_corpus_transformers_writes(
 ) -> None:
     from crest.decoding.export import export_hf
 
-    python = vllm_python()
-    if python is None:
-        require("vllm", "no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
+    python = required_vllm_python()
     model = export_hf("smollm2", tmp_path / "smollm2")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ASKED), encoding="utf-8")

@@ -23,8 +23,7 @@ import pytest
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
 from tests.fix_db import OwnServer
-from tests.fix_require import require
-from tests.fix_vllm import REQUEST_TIMEOUT, K, VllmServer, vllm_python
+from tests.fix_vllm import REQUEST_TIMEOUT, K, VllmServer, required_vllm_python
 
 KILLED = [  # the batch running when PostgreSQL is killed
     "def fibonacci(n):",
@@ -57,9 +56,7 @@ def served(killable: OwnServer, tmp_path_factory: pytest.TempPathFactory, smollm
     of those texts in the killable PostgreSQL."""
     from crest.decoding.export import export_hf
 
-    python = vllm_python()
-    if python is None:
-        require("vllm", "no Python with vLLM: set CREST_VLLM_PYTHON (.ci/vllm-venv builds one)")
+    python = required_vllm_python()
     root = tmp_path_factory.mktemp("vllm-faults")
     model = export_hf("smollm2", root / "smollm2")
     plain = VllmServer(python, model, root / "plain.log", spec=None, env={})
