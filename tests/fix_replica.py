@@ -64,8 +64,10 @@ class Server:
     bindir: Path
 
     def dsn(self, dbname: str = "postgres") -> str:
-        """Return a libpq DSN of this server."""
-        return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname} connect_timeout=2"
+        """Return a libpq DSN of this server (tests that bound a connection's wait give their own DSN)."""
+        # 30 s: a fixture's connection is no test of speed, and a backend's fork can take seconds on a loaded CI
+        # machine (2 s timed out once in wait_replayed, right after CREATE DATABASE and the migrations had connected)
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname} connect_timeout=30"
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
