@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import psycopg
@@ -115,15 +116,19 @@ prompt_options = st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(1, 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=40), prompt_options)
 def test_prompt_lookup_equals_brute_force(context: list[int], options: tuple[int, int, int, int]) -> None:
+    import crest.drafters.prompt as prompt
+
     top, low, matches, length = options
     low = min(low, top)
-    drafter = PromptDrafter(max_ngram=top, min_ngram=low, max_matches=matches, continuation_length=length)
-    draft = drafter.draft(context, 64)
-    check_invariants(draft, 64)
     want = brute_prompt(context, top, low, matches, length)
-    assert (draft is None) == (want is None)
-    if draft is not None and want is not None:
-        assert same(draft, want)
+    for few in (prompt._FEW, 0):  # a last token seen a few times (lists), and often (numpy)
+        with patch.object(prompt, "_FEW", few):
+            drafter = PromptDrafter(max_ngram=top, min_ngram=low, max_matches=matches, continuation_length=length)
+            draft = drafter.draft(context, 64)
+        check_invariants(draft, 64)
+        assert (draft is None) == (want is None)
+        if draft is not None and want is not None:
+            assert same(draft, want)
 
 
 @settings(max_examples=100, deadline=None)
@@ -506,5 +511,58 @@ def test_one_part_merged_alone_is_what_the_whole_merge_gives(
         slow = merge.merge_drafts([tree, None], shares=[share, 1.0], tree_size=cut)
     finally:
         merge._scaled = original
+    assert fast.tokens.tolist() == slow.tokens.tolist() and fast.parents.tolist() == slow.parents.tolist()
+    assert fast.weights.tolist() == slow.weights.tolist() and (fast.n, fast.total) == (slow.n, slow.total)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "parents", "weights", "share"),
+    [
+        ([1, 0], [-1, -1], [3, 2], 1e-7),  # both scale to weight 1: the tie puts token 0 first
+        ([4, 4, 5], [-1, -1, 0], [2, 1, 1], 1.0),  # two siblings with one token: one node
+        ([2, 3, 1], [-1, 0, -1], [5, 1, 2], 1.0),  # a stored tree's chain order: canonical is 2, 1, 3
+    ],
+    ids=["ties-after-scaling", "twin-siblings", "chain-order"],
+)
+def test_one_part_merged_alone_edge_cases(
+    tokens: list[int], parents: list[int], weights: list[int], share: float
+) -> None:
+    import crest_client.merge as merge
+
+    tree = Draft(np.array(tokens), np.array(parents, dtype=np.int32), np.array(weights))
+    fast = merge.merge_drafts([tree], shares=[share], tree_size=8)
+    with patch.object(merge, "_scaled", lambda *a, **k: None):
+        slow = merge.merge_drafts([tree], shares=[share], tree_size=8)
+    assert fast.tokens.tolist() == slow.tokens.tolist() and fast.parents.tolist() == slow.parents.tolist()
+    assert fast.weights.tolist() == slow.weights.tolist() and (fast.n, fast.total) == (slow.n, slow.total)
+
+
+@settings(deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=7), min_size=1, max_size=10),
+    cut=st.integers(1, 40),
+    share=st.sampled_from([1.0, 0.5, 1e-7, 1.7]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_part_in_any_order_merged_alone_is_what_the_whole_merge_gives(
+    rows: list[list[int]], cut: int, share: float, seed: int
+) -> None:
+    """A stored tree comes in its chain order, not the canonical one, and a tiny share makes weights tie."""
+    import crest_client.merge as merge
+
+    width = max(len(r) for r in rows)
+    tree = build_draft(np.array([r + [-1] * (width - len(r)) for r in rows]), tree_size=64)
+    rng, order, ready = np.random.default_rng(seed), [], [i for i in range(len(tree)) if tree.parents[i] < 0]
+    while ready:  # a random order in which parents still come first
+        order.append(ready.pop(int(rng.integers(len(ready)))))
+        ready += [i for i in range(len(tree)) if tree.parents[i] == order[-1]]
+    place = {old: new for new, old in enumerate(order)}
+    shuffled = Draft(
+        tree.tokens[order], np.array([place.get(int(tree.parents[i]), -1) for i in order], dtype=np.int32),
+        tree.weights[order], tree.n,
+    )  # fmt: skip
+    fast = merge.merge_drafts([None, shuffled], shares=[1.0, share], tree_size=cut)
+    with patch.object(merge, "_scaled", lambda *a, **k: None):
+        slow = merge.merge_drafts([None, shuffled], shares=[1.0, share], tree_size=cut)
     assert fast.tokens.tolist() == slow.tokens.tolist() and fast.parents.tolist() == slow.parents.tolist()
     assert fast.weights.tolist() == slow.weights.tolist() and (fast.n, fast.total) == (slow.n, slow.total)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+_SMALL = 128  # nodes up to which a loop over Python lists beats numpy calls (each costs about a microsecond)
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Draft:
@@ -68,9 +70,16 @@ class Draft:
         size = len(self)
         if self.parents.shape != (size,) or self.weights.shape != (size,):
             raise ValueError("draft arrays differ in length")
-        if size and np.any(self.parents >= np.arange(size)):
+        if size <= _SMALL:  # a Python loop: numpy's cost per call dominates for a drafter's few dozen nodes
+            for i, p in enumerate(self.parents.tolist()):
+                if p >= i:
+                    raise ValueError("a draft node comes before its parent")
+                if p < -1:
+                    raise ValueError("a draft node has a negative parent other than -1")
+            return
+        if np.any(self.parents >= np.arange(size)):
             raise ValueError("a draft node comes before its parent")
-        if size and np.any(self.parents < -1):
+        if np.any(self.parents < -1):
             raise ValueError("a draft node has a negative parent other than -1")
 
 

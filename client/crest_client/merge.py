@@ -25,7 +25,9 @@ def ordered(
 ) -> Draft:
     """Put a small tree built in Python lists (parents first) in the canonical order and cut it to `tree_size`."""
     order = order_small(tokens, parents, weights)[:tree_size]
-    position = {i: k for k, i in enumerate(order)}
+    position = [0] * len(tokens)  # node -> its place in the order (a kept node's parent is kept, and earlier)
+    for k, i in enumerate(order):
+        position[i] = k
     return Draft(
         np.array([tokens[i] for i in order], dtype=np.int64),
         np.array([position[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=np.int32),
@@ -84,20 +86,26 @@ def merge_drafts(
 
 
 def _scaled(draft: Draft, share: float, *, tree_size: int, scale: int) -> Draft | None:
-    """Return `merge_drafts([draft])` computed with numpy, or None when the canonical order could differ from the
-    tree's (equal weights off a chain): then the merge itself runs."""
-    w = draft.weights.astype(np.float64)
-    if np.any(w[1:] > w[:-1]):
-        return None  # weights that increase somewhere: the merge's min down each path may change them
-    total = float(w[draft.parents < 0].sum()) or 1.0
-    weights = np.maximum(1, np.round(share * w / total * scale)).astype(np.int64)  # the merge's float steps
-    k = len(draft)
-    chain = bool(np.array_equal(draft.parents, np.arange(-1, k - 1)))
-    if not chain and np.any(weights[1:] >= weights[:-1]):
-        return None  # ties: the canonical order breaks them by token and depth
-    k = min(k, tree_size)
-    tokens, parents = draft.tokens[:k].astype(np.int64), draft.parents[:k].astype(np.int32)
-    return Draft(tokens, parents, weights[:k], int(draft.n), int(scale))
+    """Return `merge_drafts([draft])` without the merge's trie, or None when that could differ: then it runs.
+
+    Alone, a tree's merged weights are its own scaled (the merge's float steps) and its nodes are the merged
+    trie's when no two siblings share a token. The canonical order of those weights is the tree's own order when
+    they strictly decrease or the tree is a chain, else `order_small`'s.
+    """
+    w, parents = draft.weights.tolist(), draft.parents.tolist()  # Python lists: a drafter's tree has tens of nodes
+    if any(p >= 0 and w[p] < x for x, p in zip(w, parents, strict=True)):
+        return None  # a child outweighs its parent: the merge's min down each path changes it
+    tokens = draft.tokens.tolist()
+    if len(set(zip(parents, tokens, strict=True))) != len(tokens):
+        return None  # two siblings with one token: the merge makes them one node
+    total = float(sum(x for x, p in zip(w, parents, strict=True) if p < 0)) or 1.0
+    weights = [max(1, round(share * float(x) / total * scale)) for x in w]
+    k = min(len(w), tree_size)
+    falling = all(a > b for a, b in zip(weights, weights[1:], strict=False))
+    if falling or parents == list(range(-1, len(w) - 1)):  # the canonical order is the tree's own
+        kept = draft.parents[:k].astype(np.int32)
+        return Draft(draft.tokens[:k].astype(np.int64), kept, np.array(weights[:k], dtype=np.int64), draft.n, scale)
+    return ordered(tokens, parents, weights, tree_size=tree_size, n=draft.n, total=scale)
 
 
 def match_path(draft: Draft, tokens: Sequence[int]) -> list[int]:
@@ -123,5 +131,17 @@ def match_path(draft: Draft, tokens: Sequence[int]) -> list[int]:
 
 def score_draft(draft: Draft, tokens: Sequence[int]) -> tuple[int, float]:
     """Return (nodes on the path spelled by `tokens`, predicted accepted nodes at depths <= len(tokens))."""
-    predicted = float(path_probabilities(draft)[draft.depths() <= len(tokens)].sum())
-    return len(match_path(draft, tokens)), predicted
+    # one pass over Python lists (parents before children): `match_path`'s walk and the depths' probabilities
+    prob, known = path_probabilities(draft).tolist(), len(tokens)
+    ids, parents = draft.tokens.tolist(), draft.parents.tolist()
+    depth = [0] * len(ids)
+    ok = [False] * len(ids)
+    right, predicted = 0, 0.0
+    for i, (token, up) in enumerate(zip(ids, parents, strict=True)):
+        d = depth[i] = depth[up] + 1 if up >= 0 else 1
+        if d <= known:
+            predicted += prob[i]
+            if (up < 0 or ok[up]) and token == tokens[d - 1]:
+                ok[i] = True
+                right = max(right, d)  # the deepest right node: its path holds `d` nodes
+    return right, predicted

@@ -68,22 +68,23 @@ def best_first(
 def order_small(tokens: list[int], parents: list[int], weights: list[int]) -> list[int]:
     """Return the canonical order of a small tree held in Python lists (parents first), as node indices.
 
-    The same order as `rank_level` then `best_first`, computed with Python sorts: for the few dozen nodes of a
-    prompt-lookup or merged tree, numpy's cost per call would dominate.
+    The same order as `rank_level` then `best_first`, computed with Python sorts of key tuples: for the few dozen
+    nodes of a prompt-lookup or merged tree, numpy's cost per call would dominate.
     """
     depth: list[int] = []
-    for up in parents:
-        depth.append(depth[up] + 1 if up >= 0 else 1)
-    levels: dict[int, list[int]] = {}
-    for i, d in enumerate(depth):
-        levels.setdefault(d, []).append(i)
+    levels: list[list[int]] = []  # node indices by depth - 1
+    for i, up in enumerate(parents):
+        d = depth[up] + 1 if up >= 0 else 1
+        depth.append(d)
+        if d > len(levels):
+            levels.append([])
+        levels[d - 1].append(i)
     rank = [0] * len(tokens)
-    for d in sorted(levels):  # rank within a level by (weight desc, token, parent's rank)
-        level = levels[d]
-        level.sort(key=lambda i: (-weights[i], tokens[i], rank[parents[i]] if parents[i] >= 0 else 0))
-        for r, i in enumerate(level):
-            rank[i] = r
-    return sorted(range(len(tokens)), key=lambda i: (-weights[i], depth[i], rank[i]))
+    for level in levels:  # rank within a level by (weight desc, token, parent's rank); parents' ranks are final
+        keys = sorted([(-weights[i], tokens[i], rank[parents[i]] if parents[i] >= 0 else 0, i) for i in level])
+        for r, key in enumerate(keys):
+            rank[key[3]] = r
+    return [key[3] for key in sorted([(-weights[i], depth[i], rank[i], i) for i in range(len(tokens))])]
 
 
 def chain_order(keep: np.ndarray, parent: np.ndarray, weight: np.ndarray, depth: np.ndarray) -> np.ndarray:

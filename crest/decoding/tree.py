@@ -87,7 +87,7 @@ def build_tree_inputs(
 
 def limit_depth(draft: Draft, max_depth: int) -> Draft:
     """Return the subtree of nodes at depth <= `max_depth`, in the same order (parents renumbered)."""
-    if len(draft) == 0:
+    if len(draft) <= max_depth:  # no node can be deeper than the tree has nodes
         return draft
     keep = draft.depths() <= max_depth
     if keep.all():
@@ -100,5 +100,6 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
 def check_draft(draft: Draft, vocab: int) -> None:
     """Raise ValueError unless `draft` is a well-formed tree over token ids below `vocab`."""
     draft.validate()
-    if len(draft) and (draft.tokens.min() < 0 or draft.tokens.max() >= vocab):
+    tokens = draft.tokens.tolist() if len(draft) <= 128 else draft.tokens  # few nodes: Python's min/max are cheaper
+    if len(draft) and (min(tokens) < 0 or max(tokens) >= vocab):
         raise ValueError(f"a draft token is outside the model's vocabulary of {vocab}")

@@ -10,6 +10,8 @@ from crest_client.draft import Draft
 from crest.drafters.trie import build_draft
 from crest.errors import ConfigError
 
+_FEW = 64  # occurrences of the last token up to which the match is extended in Python
+
 
 class PromptDrafter:
     """Prompt lookup: continuations after the most recent earlier occurrences of the context's longest suffix.
@@ -18,7 +20,8 @@ class PromptDrafter:
     wins; the `continuation_length` tokens after each of its `max_matches` most recent occurrences form a
     tree whose weights count the occurrences through each node. The context is kept in a growing buffer
     reused while each call's context extends the previous one (the verifier's case), so a step costs one
-    vectorised comparison with the last token plus work on its earlier occurrences. Not thread-safe.
+    lookup of the last token's earlier occurrences (indexed as the context grows) plus work on them. Not
+    thread-safe.
     """
 
     def __init__(
@@ -29,6 +32,7 @@ class PromptDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_matches, self.continuation_length = max_matches, continuation_length
         self._seen: list[int] = []
+        self._where: dict[int, list[int]] = {}  # token -> its positions in the context, ascending
         self._buffer = np.zeros(1024, dtype=np.int64)
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
@@ -38,21 +42,42 @@ class PromptDrafter:
         top = min(self.max_ngram, size - 1)
         if top < self.min_ngram or max_nodes <= 0:
             return None
+        found = self._where[self._seen[-1]]
+        if len(found) <= _FEW:  # a rare last token: Python over its few earlier ends beats numpy calls
+            hits, best = self._extend_few(found[:-1], top)
+        else:
+            hits, best = self._extend_many(ctx, top)
+        if best < self.min_ngram or not hits:
+            return None
+        seen, width = self._seen, self.continuation_length
+        starts = [h + 1 for h in hits[::-1][: self.max_matches]]  # most recent first
+        rows = [seen[s : s + width] + [-1] * max(0, s + width - size) for s in starts]  # [M, L], -1 past the end
+        tree = build_draft(np.array(rows, dtype=np.int64), tree_size=max_nodes, n=best)
+        return tree if len(tree) else None
+
+    def _extend_few(self, hits: list[int], top: int) -> tuple[list[int], int]:
+        """Return the earlier ends of the longest suffix of at most `top` tokens that recurs, and its length."""
+        seen, size, best = self._seen, len(self._seen), 1
+        for k in range(1, top):  # extend the match backwards while some occurrence keeps up
+            want = seen[size - 1 - k]
+            longer = [h for h in hits if h >= k and seen[h - k] == want]
+            if not longer:
+                break
+            hits, best = longer, k + 1
+        return hits, best
+
+    def _extend_many(self, ctx: np.ndarray, top: int) -> tuple[list[int], int]:
+        """`_extend_few` with numpy, for a last token that occurred often."""
+        size = ctx.shape[0]
         hits = np.flatnonzero(ctx[: size - 1] == ctx[size - 1])  # earlier ends of the last token
         best = 1
-        for k in range(1, top):  # extend the match backwards while some occurrence keeps up
+        for k in range(1, top):
             back = hits - k
             longer = hits[(back >= 0) & (ctx[np.maximum(back, 0)] == ctx[size - 1 - k])]
             if not longer.shape[0]:
                 break
             hits, best = longer, k + 1
-        if best < self.min_ngram or not hits.shape[0]:
-            return None
-        starts = hits[::-1][: self.max_matches] + 1  # most recent first
-        at = starts[:, None] + np.arange(self.continuation_length)  # [M, L]
-        rows = np.where(at < size, ctx[np.minimum(at, size - 1)], -1)
-        tree = build_draft(rows, tree_size=max_nodes, n=best)
-        return tree if len(tree) else None
+        return hits.tolist(), best
 
     def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
         """Return the one part behind this drafter's tree: the prompt."""
@@ -63,7 +88,7 @@ class PromptDrafter:
         ids = context_ids if isinstance(context_ids, list) else np.asarray(context_ids).reshape(-1).tolist()
         known = len(self._seen)
         if len(ids) < known or ids[:known] != self._seen:
-            self._seen, known = [], 0
+            self._seen, self._where, known = [], {}, 0
         fresh = [int(t) for t in ids[known:]]
         if fresh:
             need = known + len(fresh)
@@ -73,4 +98,6 @@ class PromptDrafter:
                 self._buffer = grown
             self._buffer[known:need] = fresh
             self._seen.extend(fresh)
+            for at, token in enumerate(fresh, start=known):
+                self._where.setdefault(token, []).append(at)
         return self._buffer[: len(self._seen)]
