@@ -91,7 +91,7 @@ def test_learned_window_cuts_rows_as_read_window_does(db_dsn: str, window: int) 
     rows = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     append_learned(db_dsn, "s", rows)
     with db.session(db_dsn) as conn:
-        want = read_window(conn, "s", window=window)
+        want = read_window(conn, "s", window=window, max_n=OPTIONS.max_n)
     tokens, offsets = learned_window(rows, window=window)
     assert tokens.tolist() == want.tokens.tolist() and offsets.tolist() == want.offsets.tolist()
 

@@ -1,6 +1,7 @@
 """`crest learn`, `crest refresh`, `crest forget` and the learned figures of `crest stores`, through `main()`.
 
-Transcripts of every kind land in the learned log with the store's tokenizer; a bad file is one error line
+Transcripts of every kind land in the learned log with the store's tokenizer (a prompt's last `PROMPT_TAIL` tokens,
+as a server keeps them); a bad file is one error line
 with exit 2 and appends nothing; refresh prints the live version or "nothing new"; forget asks first.
 """
 
@@ -15,6 +16,7 @@ import pytest
 
 from crest.decoding.tokenizer import load_tokenizer
 from crest.errors import EXIT_FAILURE, EXIT_USAGE
+from crest.learning.requests import PROMPT_TAIL
 from tests.fix_cli import Terminal, one_error_line, run
 from tests.fix_corpus import write_jsonl
 from tests.fix_learning import OPTIONS, STATIC_TEXT
@@ -66,6 +68,32 @@ def test_learn_reads_every_kind_of_transcript_with_the_store_tokenizer(
         (tok.encode("a cat"), 1, "file"),
         (tok.encode("the dog sat on the mat"), 0, "file"),
     ]
+
+
+def test_learn_keeps_a_records_prompt_as_a_server_keeps_a_requests(
+    words: str,
+    word_tokenizer_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tok = load_tokenizer(word_tokenizer_dir)
+    prompt = [2 + i % 7 for i in range(PROMPT_TAIL + 30)]
+    words_prompt = " ".join(["the cat sat on the mat"] * 20)  # 120 words
+    records = [
+        {"tokens": [*prompt, 5, 6], "prompt_tokens": len(prompt)},
+        {"prompt": words_prompt, "completion": "a dog"},
+    ]
+    code, _, err = run(monkeypatch, capsys, "learn", str(write_jsonl(tmp_path / "long.jsonl", records)),
+                       "--store", "words")  # fmt: skip
+    assert code == 0, err
+    assert (
+        learned(words)
+        == [  # the prompt's last PROMPT_TAIL tokens, as `crest serve` and vLLM write them
+            ([*prompt[-PROMPT_TAIL:], 5, 6], PROMPT_TAIL, "file"),
+            (tok.encode(words_prompt)[-PROMPT_TAIL:] + tok.encode("a dog"), PROMPT_TAIL, "file"),
+        ]
+    )
 
 
 BAD_FILES = [

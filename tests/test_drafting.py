@@ -172,8 +172,7 @@ def test_a_preempted_request_is_learned_once_with_its_whole_output(
     runner.run()
     proposer.close()
     rows = [tokens for tokens, _ in _learned(words)]
-    max_n = IngestOptions().max_n
-    assert sorted(rows) == sorted([prompt[-max_n:] + output, prompt[:2] + output[:6]])  # p once, whole
+    assert sorted(rows) == sorted([prompt + output, prompt[:2] + output[:6]])  # p once, whole (short prompts whole)
 
 
 def test_a_tensor_parallel_rank_other_than_0_learns_nothing(
@@ -201,7 +200,9 @@ def test_the_hub_teaches_the_recent_tier_at_once_and_the_log_in_the_background(w
         assert recent.documents == 1 and recent.draft([5, 6, 7], 8).tokens.tolist() == [8, 2, 3]  # type: ignore[union-attr]
         learner = hub.learner("words")
         assert learner is not None and learner.flush(timeout=30)
-        assert _learned(words) == [([4, 5, 6, 7, 8, 2, 3], "serve@test")]  # the prompt's last max-n, then the output
+        assert _learned(words) == [
+            ([2, 3, 4, 5, 6, 7, 8, 2, 3], "serve@test")
+        ]  # the prompt (< PROMPT_TAIL), the output
     finally:
         hub.close()
 

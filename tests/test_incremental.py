@@ -4,7 +4,9 @@ Two stores with the same static version learn the same random streams (rows appe
 oldest row cut, n-grams with more occurrences than `max_matches`); one is refreshed incrementally, the other
 rebuilt in full, and after every refresh their live versions must hold the same rows (key, count, blob), token
 table, key filter and figures. A refresh falls back to a full rebuild when it cannot reuse the previous live
-version, and one killed after copying rows leaves the previous live version published.
+version, and one killed after copying rows leaves the previous live version published. Of a learned row only the
+prompt's last max-n tokens and the output are counted: rows with a server's longer prompt tail build the same live
+versions as rows with a max-n tail.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from crest.ingest.pipeline import ingest
 from crest.learning import append_learned, refresh_live
 from crest.learning.incremental import read_learned
 from crest.learning.journal import read_window
+from crest.learning.requests import PROMPT_TAIL, served_tokens
 from tests.fix_corpus import make_word_tokenizer, write_jsonl
 from tests.fix_learning import published, start_paused_refresh, version_rows, wait_until_unlocked
 
@@ -164,12 +167,18 @@ def test_read_learned_reads_the_window_read_window_reads(db_dsn: str) -> None:
     rng = np.random.default_rng(5)
     rows = [rng.integers(0, 50, size=int(rng.integers(1, 30))).tolist() for _ in range(40)]
     rows[7] = [60, 1]  # an id outside the vocabulary: left out of both
-    append_learned(db_dsn, "s", rows)
+    rows[9] = [61, *rows[9]]  # one outside it in a prompt's uncounted part: the row is read
+    prompts = [int(rng.integers(0, len(r) + 1)) for r in rows]
+    prompts[9] = len(rows[9])
+    append_learned(db_dsn, "s", rows, prompt_tokens=prompts)
+    counted = {i: r[max(0, k - OPTIONS.max_n) :] for i, (r, k) in enumerate(zip(rows, prompts, strict=True))}
     with psycopg.connect(db_dsn) as conn:
         newest = int(conn.execute("SELECT max(id) FROM crest_learned").fetchone()[0])  # type: ignore[index]
+        whole = read_window(conn, "s", window=10**6, max_n=OPTIONS.max_n, vocab_size=55)
         for window in (1, 17, 200, 10_000):
-            want = read_window(conn, "s", window=window, through_id=newest - 3, vocab_size=55)
-            got = read_learned(conn, "s", window=window, through_id=newest - 3, vocab_size=55, down_to=newest - 30)
+            want = read_window(conn, "s", window=window, max_n=OPTIONS.max_n, through_id=newest - 3, vocab_size=55)
+            got = read_learned(conn, "s", window=window, max_n=OPTIONS.max_n, through_id=newest - 3, vocab_size=55,
+                               down_to=newest - 30)  # fmt: skip
             assert got.window.tokens.tolist() == want.tokens.tolist()
             assert got.window.offsets.tolist() == want.offsets.tolist()
             assert (got.window.from_id, got.window.through_id, got.window.rows) == (
@@ -179,6 +188,34 @@ def test_read_learned_reads_the_window_read_window_reads(db_dsn: str) -> None:
             )
             assert len(got.ids) == want.rows and got.ids.tolist() == sorted(got.ids.tolist())
             assert all(newest - 30 <= sid < want.from_id for sid, _ in got.below)
+    docs = [whole.tokens[a:b].tolist() for a, b in zip(whole.offsets[:-1], whole.offsets[1:], strict=True)]
+    assert docs == [counted[i] for i in range(len(rows)) if i != 7]  # each row from its prompt's last max-n on
+
+
+def test_a_longer_prompt_tail_leaves_the_live_tier_unchanged(db_dsn: str, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Requests learned with a server's prompt tail (`PROMPT_TAIL`) build, refresh after refresh, the live versions
+    the same requests learned with a max-n tail build: a long system prompt in every request is never counted."""
+    stores = {"long": PROMPT_TAIL, "short": OPTIONS.max_n}  # store -> prompt tokens its rows keep
+    make_static(db_dsn, tokenizer_dir, tmp_path, stores=tuple(stores))
+    rng = np.random.default_rng(9)
+    system = rng.integers(2, 302, size=PROMPT_TAIL + 20).tolist()  # the same prompt head in every request
+    modes = []
+    for step in range(6):
+        asked = [system + row for row in random_rows(rng, 4, 12)]
+        answers = random_rows(rng, 4, 40)
+        for store, tail in stores.items():
+            served = [served_tokens(p, a, tail=tail) for p, a in zip(asked, answers, strict=True)]
+            append_learned(db_dsn, store, [ids for ids, _ in served], prompt_tokens=[k for _, k in served])
+        new = sum(OPTIONS.max_n + len(a) for a in answers)  # counted tokens: the prompts' last max-n, the answers
+        if step == 5:  # a refresh waits for as many new tokens in both
+            assert [refresh_live(db_dsn, s, window=300, min_new_tokens=new + 1) for s in stores] == [None, None]
+        long, short = (refresh_live(db_dsn, s, window=300, min_new_tokens=new) for s in stores)
+        assert long is not None and short is not None, step
+        figures = [(r.tokens, r.ngrams, r.mode, r.reused) for r in (long, short)]
+        assert figures[0] == figures[1], step
+        assert live_version(db_dsn, "long")[:4] == live_version(db_dsn, "short")[:4], step  # rows, tables, figures
+        modes.append(long.mode)
+    assert "incremental" in modes and figures[0][0] == 300  # rows were copied, the window slid
 
 
 def late_row(dsn: str, store: str, tokens: list[int]) -> None:

@@ -113,7 +113,7 @@ def test_read_window_returns_the_last_tokens_one_document_per_row(
     with psycopg.connect(db_dsn) as conn:
         ids = [int(r[0]) for r in conn.execute("SELECT id FROM crest_learned WHERE store = 's' ORDER BY id")]
         prompts = [int(r[0]) for r in conn.execute("SELECT prompt_tokens FROM crest_learned WHERE store = 's'")]
-        win = read_window(conn, "s", window=window)
+        win = read_window(conn, "s", window=window, max_n=3)  # prompts of at most max_n: rows whole
     assert sorted(prompts) == [0, 1, 2]
     assert [win.tokens[a:b].tolist() for a, b in zip(win.offsets[:-1], win.offsets[1:], strict=True)] == docs
     assert (win.from_id, win.through_id, win.rows) == (ids[from_row - 1], ids[-1], len(docs))
@@ -122,7 +122,7 @@ def test_read_window_returns_the_last_tokens_one_document_per_row(
 def test_read_window_leaves_out_rows_outside_the_vocabulary(db_dsn: str) -> None:
     append_learned(db_dsn, "s", [[1, 2], [3, 99], [4]])
     with psycopg.connect(db_dsn) as conn:
-        win = read_window(conn, "s", window=10, vocab_size=10)
+        win = read_window(conn, "s", window=10, max_n=3, vocab_size=10)
     assert win.tokens.tolist() == [1, 2, 4] and win.rows == 2
 
 

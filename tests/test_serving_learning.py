@@ -35,7 +35,7 @@ from crest.drafters.store import StoreDrafter
 from crest.drafting.hub import LearnOptions
 from crest.ingest.pipeline import ingest
 from crest.learning.refresher import Refresher
-from crest.learning.requests import path_length, request_stats, served_tokens
+from crest.learning.requests import PROMPT_TAIL, path_length, request_stats, served_tokens
 from crest.serving.app import create_app
 from crest.serving.engine import Engine
 from crest.serving.metrics import ServerMetrics
@@ -46,7 +46,7 @@ pytest_plugins = ["tests.fix_corpus"]
 
 CORPUS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 20
 PROMPT = "def add(a, b):\n    return"
-MAX_N = IngestOptions().max_n
+TAIL = PROMPT_TAIL  # prompt tokens a learned row keeps (PROMPT has fewer: all of it)
 FLAT = CostModel([1, 64], [1.0, 1.0])  # drafting always pays: whole trees are verified
 QUIET = LearnOptions(refresh_interval=3600, refresh_min_tokens=0, flush_interval=0.05)  # refreshes when told
 
@@ -136,7 +136,7 @@ def test_finished_requests_are_learned_unless_switched_off(
         out = complete(found, prompt, learn=learn).result.output_token_ids
     finally:
         found.stop()  # writes what was queued
-    want = [(prompt[-MAX_N:] + out, MAX_N)] if writes else []
+    want = [(prompt[-TAIL:] + out, len(prompt[-TAIL:]))] if writes else []
     assert [(ids, p) for ids, p, _ in learned(code_dsn)] == want
     assert all(source.startswith("serve@") for _, _, source in learned(code_dsn))
 
@@ -247,7 +247,8 @@ def test_request_field_and_metrics_over_http(tiny: Any, smollm2_tokenizer: Any, 
         found.refresher.refresh_once()
         text = client.get("/metrics").text
     assert len(learned(code_dsn)) == 1
-    assert f"crest_learned_tokens_total {float(MAX_N + 5)}" in text
+    prompt = smollm2_tokenizer.hf.encode(PROMPT, add_special_tokens=False)
+    assert f"crest_learned_tokens_total {float(len(prompt[-TAIL:]) + 5)}" in text
     assert "crest_learn_dropped_tokens_total 0.0" in text
     assert 'crest_live_refresh_total{result="published"} 1.0' in text
     assert 'crest_live_refresh_total{result="failed"} 0.0' in text
@@ -272,14 +273,16 @@ def test_a_refresher_with_interval_zero_never_starts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "max_n", "want"),
+    ("prompt", "tail", "want"),
     [([1, 2, 3, 4, 5], 3, ([3, 4, 5, 9], 3)), ([1, 2], 4, ([1, 2, 9], 2)), ([1, 2], 0, ([9], 0))],
     ids=["long-prompt", "short-prompt", "no-context"],
 )
 def test_served_tokens_are_the_prompt_tail_and_the_output(
-    prompt: list[int], max_n: int, want: tuple[list[int], int]
+    prompt: list[int], tail: int, want: tuple[list[int], int]
 ) -> None:
-    assert served_tokens(prompt, [9], max_n=max_n) == want
+    assert served_tokens(prompt, [9], tail=tail) == want
+    long = list(range(100))
+    assert served_tokens(long, [9]) == (long[-PROMPT_TAIL:] + [9], PROMPT_TAIL)  # a server's rows
 
 
 def _crest(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -437,4 +440,4 @@ def test_a_request_teaches_the_store_it_names_whatever_its_drafter(
         found.stop()  # writes what was queued
     with psycopg.connect(code_dsn) as conn:
         rows = conn.execute("SELECT store, tokens FROM crest_learned ORDER BY id").fetchall()
-    assert [(store, np.frombuffer(t, dtype="<u4").tolist()) for store, t in rows] == [("other", prompt[-MAX_N:] + out)]
+    assert [(store, np.frombuffer(t, dtype="<u4").tolist()) for store, t in rows] == [("other", prompt[-TAIL:] + out)]

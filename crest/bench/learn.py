@@ -2,10 +2,11 @@
 
 The prompts are served in order, greedy; request i may draft only from what requests 0..i-1 taught (with
 `refresh_every` K, from the requests before the last multiple of K). Each finished request teaches its store what
-the server records (`crest.learning.requests.served_tokens`: the prompt's last max-n tokens, then the output), and
-the live tier is rebuilt from the last `window` learned tokens with the code `crest.learning.refresh_live` builds a
-live version with (`crest.bench.live_memory`: the same selection, `min_count` filter, `build_trees` and blob
-encoding, on the static version's tokenizer and build options), but kept in memory instead of published: publishing
+the server records (`crest.learning.requests.served_tokens`) as much as a live tier counts of it (the prompt's last
+max-n tokens, then the output: `crest.learning.journal.counted_from`), and the live tier is rebuilt from the last
+`window` of those tokens with the code `crest.learning.refresh_live` builds a live version with
+(`crest.bench.live_memory`: the same selection, `min_count` filter, `build_trees` and blob encoding, on the static
+version's tokenizer and build options), but kept in memory instead of published: publishing
 one version per request would time the database, not the drafts, and nothing is ever written to the user's stores.
 The live trees are looked up as the SDK reads a live tier (`crest_client.choice.rule_for`), the static tier through
 the SDK. M (new tokens per target forward) is measured by replay on the plain greedy continuations, as `crest bench
@@ -140,6 +141,7 @@ def stream(
     stream); with `rest_index`, a REST row drafts from it.
     """
     from crest.drafters.registry import make_drafter
+    from crest.learning.journal import counted_from
     from crest.learning.requests import served_tokens
 
     names = (*ROWS, REST_ROW) if rest_index is not None else ROWS
@@ -174,7 +176,8 @@ def stream(
                 record[f"{name} adaptive"] = round(a.new_tokens / max(1, a.steps), 4)
         per_request.append(record)
         note(f"request {i + 1}/{len(prompt_ids)}: static+live+prompt M {record['static+live+prompt']:.2f}")
-        learned.append(served_tokens(ids, ref, max_n=options.max_n)[0])
+        row, tail = served_tokens(ids, ref)
+        learned.append(row[counted_from(tail, max_n=options.max_n) :])  # what a live tier counts of the row
     final = LiveTrees.build(
         *learned_window(learned, window=opts.window), vocab_size=vocab_size, options=options, min_count=opts.min_count
     )

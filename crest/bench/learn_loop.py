@@ -130,10 +130,12 @@ class _Live:
         return rows
 
     def learn(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """Record what a finished request teaches (`served_tokens`: the prompt's last max-n ids, then the output)."""
+        """Record what a live tier counts of a finished request's row: the prompt's last max-n ids, then the output."""
+        from crest.learning.journal import counted_from
         from crest.learning.requests import served_tokens
 
-        self.learned.append(served_tokens(prompt, output, max_n=self.max_n)[0])
+        row, tail = served_tokens(prompt, output)
+        self.learned.append(row[counted_from(tail, max_n=self.max_n) :])
 
 
 def loop(

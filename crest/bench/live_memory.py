@@ -1,9 +1,10 @@
 """A live tier built in memory: the trees `crest.learning.refresh_live` would publish, looked up like a live version.
 
-`learned_window` cuts learned rows to the last W tokens as `crest.learning.journal.read_window` does, and
-`LiveTrees.build` counts and selects n-grams and builds their trees with the ingest pipeline's own loader (the
-selection, `min_count` filter, `build_trees` and blob encoding of a live version, on the static version's build
-options), keeping the rows in a dict instead of copying them into a partition. `draft` picks among the stored
+`learned_window` cuts learned rows (what a live tier counts of them) to the last W tokens as
+`crest.learning.journal.read_window` does, and `LiveTrees.build` counts and selects n-grams and builds their trees
+with the ingest pipeline's own loader (the selection, `min_count` filter, `build_trees` and blob encoding of a live
+version, on the static version's build options), keeping the rows in a dict instead of copying them into a
+partition. `draft` picks among the stored
 suffixes of a context as the SDK reads a live tier (`crest_client.choice.rule_for`: its longest stored suffix)
 and decodes the tree as `Store` does. Used by
 `crest bench learn`, which rebuilds a live tier after every few requests of a stream without publishing any.

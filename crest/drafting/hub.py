@@ -64,12 +64,6 @@ class LearnOptions:
 
 _HUBS = itertools.count(1)
 
-# prompt tokens before a finished request's output that this process's recent tier keeps (its learned row keeps the
-# store's max-n): in a chat the last max-n are the template's assistant header, the same in every request, so an
-# answer served before would only be found a few tokens into its repeat. `crest bench proposer --chat` (16 held-out
-# self-corpus answers, seen once, c = 8, K 16): M 12.88 with the max-n tail, 14.22 (the ceiling) with 64
-RECENT_PROMPT_TAIL = 64
-
 # seconds a closing hub tries to write what its learners still hold (all stores together): the rest is dropped and
 # counted; under `docker stop`'s 10 s grace
 CLOSE_TIMEOUT = 5.0
@@ -251,7 +245,7 @@ class DraftHub:
             return self._learners.get(name)
 
     def max_n(self, name: str) -> int:
-        """Return the longest n-gram the opened store `name` keys on (the prompt tail a learned row keeps)."""
+        """Return the longest n-gram the opened store `name` keys on (a still-connecting one: the ingest default)."""
         with self._lock:
             return store_max_n(self._stores.get(name))
 
@@ -309,14 +303,14 @@ class DraftHub:
         """Teach store `name` a finished request: its recent tier at once, its learned log in the background."""
         if not output:
             return
-        ids, tail = served_tokens(prompt, output, max_n=self.max_n(name))
+        # one row for both: another replica's feed and a restarted process find the tail this process keeps
+        ids, tail = served_tokens(prompt, output)
         learner = self.learner(name)
         if learner is not None:  # queued first: a flush right after the request's answer finds it
             learner.learn(ids, prompt_tokens=tail, stats=dict(stats or {}), dense=dense)
         recent = self.recent(name)
-        if recent is not None:  # with a longer prompt tail: a repeat is found deep at its answer's first step
-            local, _ = served_tokens(prompt, output, max_n=RECENT_PROMPT_TAIL)
-            recent.add(np.asarray(local, dtype=np.int64))
+        if recent is not None:  # the prompt's tail too: a repeat is found deep at its answer's first step
+            recent.add(np.asarray(ids, dtype=np.int64))
 
     def _dense_missing(self, store: str) -> bool:
         """Return whether store `store` has no dense part this process can use (said once, at its first try)."""

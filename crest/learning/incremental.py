@@ -30,7 +30,7 @@ from crest import db
 from crest.config import IngestOptions, fault_pause
 from crest.ingest.ngrams import count_ngrams
 from crest.ingest.pipeline import IngestSummary
-from crest.learning.journal import Window
+from crest.learning.journal import Window, counted_from
 
 LIVE_TABLE = "static-ranks"  # params["token_table"] of live versions ranked by `live_token_table`
 MAX_CHANGED = 0.5  # share of the window's tokens in changed rows above which a full rebuild is cheaper
@@ -55,12 +55,20 @@ class Learned:
 
 
 def read_learned(
-    conn: psycopg.Connection[Any], store: str, *, window: int, through_id: int, vocab_size: int, down_to: int
+    conn: psycopg.Connection[Any],
+    store: str,
+    *,
+    window: int,
+    max_n: int,
+    through_id: int,
+    vocab_size: int,
+    down_to: int,
 ) -> Learned:
-    """Return the store's last `window` learned tokens up to `through_id`, and the older rows down to `down_to`.
+    """Return the store's last `window` counted tokens up to `through_id`, and the older rows down to `down_to`.
 
-    The window is `crest.learning.journal.read_window`'s: rows newest first, those holding an id of
-    `vocab_size` or more left out, the oldest one cut to fill the window exactly.
+    The window is `crest.learning.journal.read_window`'s: each row's counted tokens (`counted_from`: the prompt's
+    last max_n and the output), rows newest first, those holding an id of `vocab_size` or more left out, the oldest
+    one cut to fill the window exactly.
     """
     parts: list[np.ndarray] = []
     ids: list[int] = []
@@ -70,13 +78,14 @@ def read_learned(
     with conn.transaction(), conn.cursor(name="crest_learned_incremental") as cur:
         cur.itersize = _FETCH_ROWS
         cur.execute(
-            "SELECT id, tokens FROM crest_learned WHERE store = %s AND id <= %s ORDER BY id DESC", (store, through_id)
+            "SELECT id, tokens, prompt_tokens FROM crest_learned WHERE store = %s AND id <= %s ORDER BY id DESC",
+            (store, through_id),
         )
-        for sid, data in cur:  # newest first
+        for sid, data, prompt in cur:  # newest first
             if total >= window and int(sid) < down_to:
                 break
             newest = max(newest, int(sid))
-            tokens = np.frombuffer(bytes(data), dtype="<u4")
+            tokens = np.frombuffer(bytes(data), dtype="<u4")[counted_from(prompt, max_n=max_n) :]
             if len(tokens) and int(tokens.max()) >= vocab_size:
                 continue
             if total >= window:

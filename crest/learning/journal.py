@@ -4,9 +4,12 @@
 it, it holds INSERT on this table alone). Tokens are stored as little-endian uint32, `n_tokens` beside them;
 `prompt_tokens` says how many leading ids were prompt context rather than served output, and `stats` (per row,
 optional) the figures of the request that served it (`crest_client.learner.STATS`, 0 when not given, and
-`accepted_<part>` per drafter part into the jsonb `accepted_parts`; `crest_client.learner.split_stats`). `read_window`
-returns the most recent W tokens of a store as one token array with document offsets (a row is a document,
-its prompt context included), the form `crest.ingest.pipeline.build_store` takes.
+`accepted_<part>` per drafter part into the jsonb `accepted_parts`; `crest_client.learner.split_stats`). A row keeps
+more of its prompt than the live tier counts (a server's, `crest.learning.requests.PROMPT_TAIL` tokens, for the
+recent tiers that read rows whole): what counts of a row is its tokens from `counted_from` on, the prompt's last
+max-n and the output, so a long prompt repeated in every request never becomes served text. `read_window` returns
+the most recent W counted tokens of a store as one token array with document offsets (a row is a document), the
+form `crest.ingest.pipeline.build_store` takes.
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ class Window:
     def n_tokens(self) -> int:
         """Return how many tokens the window holds."""
         return int(self.tokens.shape[0])
+
+
+def counted_from(prompt_tokens: int, *, max_n: int) -> int:
+    """Return where the counted part of a learned row with `prompt_tokens` of context starts (its prompt's last max_n).
+
+    `COUNTED_TOKENS` is the same rule in SQL.
+    """
+    return max(0, int(prompt_tokens) - max_n)
+
+
+# a row's counted tokens (`counted_from`) in SQL, `max_n` a named parameter
+COUNTED_TOKENS = "n_tokens - greatest(prompt_tokens - %(max_n)s, 0)"
 
 
 def encode_tokens(ids: Sequence[int] | np.ndarray) -> bytes:
@@ -123,12 +138,12 @@ def _copy_rows(conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], *, wi
     return len(rows)
 
 
-def new_since(conn: psycopg.Connection[Any], store: str, after_id: int) -> tuple[int, int, int]:
-    """Return (rows, tokens, newest id) of the store's learned rows with an id above `after_id`."""
+def new_since(conn: psycopg.Connection[Any], store: str, after_id: int, *, max_n: int) -> tuple[int, int, int]:
+    """Return (rows, counted tokens, newest id) of the store's learned rows with an id above `after_id`."""
     row = conn.execute(
-        "SELECT count(*), coalesce(sum(n_tokens), 0), coalesce(max(id), 0) FROM crest_learned"
-        " WHERE store = %s AND id > %s",
-        (store, after_id),
+        f"SELECT count(*), coalesce(sum({COUNTED_TOKENS}), 0), coalesce(max(id), 0) FROM crest_learned"
+        " WHERE store = %(store)s AND id > %(after)s",
+        {"store": store, "after": after_id, "max_n": max_n},
     ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1]), int(row[2])
@@ -139,12 +154,14 @@ def read_window(
     store: str,
     *,
     window: int,
+    max_n: int,
     through_id: int | None = None,
     vocab_size: int | None = None,
 ) -> Window:
-    """Return the store's last `window` learned tokens (rows up to `through_id`), a row cut at the window's start.
+    """Return the store's last `window` counted tokens (rows up to `through_id`), a row cut at the window's start.
 
-    Rows holding an id of `vocab_size` or more (not the store's tokenizer) are left out.
+    A row's counted tokens are those from `counted_from` on; rows holding an id of `vocab_size` or more there (not
+    the store's tokenizer) are left out.
     """
     if window < 1:
         raise ConfigError(f"the learning window must be a positive number of tokens, got {window}")
@@ -155,12 +172,12 @@ def read_window(
     with conn.transaction(), conn.cursor(name="crest_learned_window") as cur:
         cur.itersize = _FETCH_ROWS
         cur.execute(
-            "SELECT id, tokens FROM crest_learned WHERE store = %s AND id <= %s ORDER BY id DESC",
+            "SELECT id, tokens, prompt_tokens FROM crest_learned WHERE store = %s AND id <= %s ORDER BY id DESC",
             (store, 2**63 - 1 if through_id is None else through_id),
         )
-        for sid, data in cur:  # newest first
+        for sid, data, prompt in cur:  # newest first
             newest = max(newest, int(sid))
-            tokens = np.frombuffer(bytes(data), dtype="<u4")
+            tokens = np.frombuffer(bytes(data), dtype="<u4")[counted_from(prompt, max_n=max_n) :]
             if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
                 skipped += 1
                 continue

@@ -2,7 +2,8 @@
 
 `refresh_live` holds the store's refresh lock (a session advisory lock; a second refresh of the same store
 skips instead of waiting), returns None when nothing was learned since the published live version's
-`through_id` (or fewer than `min_new_tokens` tokens), else reads the window and builds it with
+`through_id` (or fewer than `min_new_tokens` tokens), else reads the window (of each learned row the prompt's
+last max-n tokens and the output: `crest.learning.journal.counted_from`) and builds it with
 `crest.ingest.pipeline.build_store` as a `live` version: the static version's tokenizer (fingerprint, size,
 vocabulary copied from it) and build options, keeping the n-grams seen at least `min_count` times, at most
 `max_ngrams` of each n. Its tokens are ranked by `crest.learning.incremental.live_token_table`, which does
@@ -143,12 +144,15 @@ def _refresh(
         raise StoreNotFound(f"no published store named {store!r}")
     live = published_version(conn, store, "live")
     after = int(live["params"].get("through_id", 0)) if live else 0
-    new_rows, new_tokens, newest = new_since(conn, store, after)
+    built = static_options(static["params"])  # max_n: what of each learned row's prompt is counted
+    new_rows, new_tokens, newest = new_since(conn, store, after, max_n=built.max_n)
     if new_rows == 0 or new_tokens < min_new_tokens:
         return None
     vocab_size = int(static["vocab_size"])
     down_to = int(live["params"].get("from_id", newest + 1)) if live else newest + 1
-    learned = read_learned(conn, store, window=window, through_id=newest, vocab_size=vocab_size, down_to=down_to)
+    learned = read_learned(
+        conn, store, window=window, max_n=built.max_n, through_id=newest, vocab_size=vocab_size, down_to=down_to
+    )
     win = learned.window
     if win.n_tokens == 0:
         return None
@@ -162,7 +166,6 @@ def _refresh(
         size=int(static["vocab_size"]),
         pieces=lambda: pieces,
     )
-    built = static_options(static["params"])
     options = dataclasses.replace(built, top_t=max_ngrams, budget=None, suffix_rule=live_suffix_rule(built.suffix_rule))
     how = plan(learned, live, static_id=int(static["id"]), options=options, incremental=incremental)
     reuse = PreviousRows(how, vocab_size=vocab_size, options=options)

@@ -1,11 +1,13 @@
 """What a finished request teaches its store: its tokens, and how its drafts went, part by part. A finished request
-(not cancelled, not failed) teaches its store the prompt's last max-n tokens (the context its first output tokens
-followed) and its output (`served_tokens`), written by the store's `crest_client.learner.Learner` off the decoding
-path (`record_outcome`, through `crest.drafting.DraftHub.learn`). Its learned row also says how it went
-(`request_stats`): target forwards, new tokens, verified and accepted draft nodes, and how many accepted tokens each
-named part's tree held before the parts were merged (`tally_parts`, once per step, from the trees the drafter
-reports through `drafted_parts`: the static tier, the live tier, the prompt, or any part a new drafter names).
-`crest serve` and the vLLM proposer both call these.
+(not cancelled, not failed) teaches its store the prompt's last `PROMPT_TAIL` tokens (the context its first output
+tokens followed) and its output (`served_tokens`): the same row in this process's recent tier at once and in the
+learned log, written by the store's `crest_client.learner.Learner` off the decoding path (`record_outcome`, through
+`crest.drafting.DraftHub.learn`), from which other replicas and a restarted process take it whole (the live tier's
+n-gram counts take only the prompt's last max-n of it: `crest.learning.journal.counted_from`). Its learned row also
+says how it went (`request_stats`): target forwards, new tokens, verified and accepted draft nodes, and how many
+accepted tokens each named part's tree held before the parts were merged (`tally_parts`, once per step, from the
+trees the drafter reports through `drafted_parts`: the static tier, the live tier, the prompt, or any part a new
+drafter names). `crest serve` and the vLLM proposer both call these.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from crest.decoding.drafter import drafted_parts
 
 log = logging.getLogger(__name__)
 
+# prompt tokens before a finished request's output that its learned row keeps (its `prompt_tokens`), in this
+# process's recent tier and in the log every replica and a restarted process read it from: in a chat the last max-n
+# are the template's assistant header, the same in every request, so an answer served before would only be found a
+# few tokens into its repeat. `crest bench proposer --chat` (16 held-out self-corpus answers, seen once, c = 8,
+# K 16): M 12.88 with the max-n tail, 14.22 (the ceiling) with 64
+PROMPT_TAIL = 64
+
 
 def store_max_n(store: Any, *, default: int = IngestOptions().max_n) -> int:
     """Return the longest n-gram an opened store keys on (a store still connecting: the ingest default)."""
@@ -30,10 +39,10 @@ def store_max_n(store: Any, *, default: int = IngestOptions().max_n) -> int:
     return int(getattr(getattr(inner, "info", None), "max_n", default))
 
 
-def served_tokens(prompt: Sequence[int], output: Sequence[int], *, max_n: int) -> tuple[list[int], int]:
-    """Return the ids a finished request teaches (the prompt's last max_n, then the output) and that tail's length."""
-    tail = [int(t) for t in prompt[max(0, len(prompt) - max_n) :]] if max_n > 0 else []
-    return tail + [int(t) for t in output], len(tail)
+def served_tokens(prompt: Sequence[int], output: Sequence[int], *, tail: int = PROMPT_TAIL) -> tuple[list[int], int]:
+    """Return the ids a finished request teaches (the prompt's last `tail`, then the output) and that tail's length."""
+    kept = [int(t) for t in prompt[max(0, len(prompt) - tail) :]] if tail > 0 else []
+    return kept + [int(t) for t in output], len(kept)
 
 
 def path_length(tree: Draft, tokens: Sequence[int]) -> int:
@@ -90,7 +99,7 @@ class Teach(Protocol):
     ) -> None: ...
 
 
-def record_outcome(teach: Teach, future: Future[Any], *, max_n: int) -> None:
+def record_outcome(teach: Teach, future: Future[Any]) -> None:
     """Teach a finished request's tokens and figures to its store; a cancelled or failed one: nothing."""
     if future.cancelled() or future.exception() is not None:
         return
@@ -98,7 +107,9 @@ def record_outcome(teach: Teach, future: Future[Any], *, max_n: int) -> None:
     if outcome.cancelled or not outcome.result.output_token_ids:
         return
     result = outcome.result
-    ids, prompt_tokens = served_tokens(result.prompt_token_ids, result.output_token_ids, max_n=max_n)
+    # the states' row positions in the row `teach` writes (`served_tokens`, the same tail): states exist only from
+    # the prompt's last token on, so a longer tail moves them, never adds any
+    ids, prompt_tokens = served_tokens(result.prompt_token_ids, result.output_token_ids)
     dense = served_dense(outcome, cut=len(result.prompt_token_ids) - prompt_tokens, n_tokens=len(ids))
     teach(result.prompt_token_ids, result.output_token_ids, stats=request_stats(outcome), dense=dense)
 

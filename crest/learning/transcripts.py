@@ -2,8 +2,10 @@
 
 A `.jsonl` / `.ndjson` file holds one record a line: `{"tokens": [ids]}` (optionally `"prompt_tokens": k`),
 `{"text": "..."}`, or `{"prompt": "...", "completion": "..."}` (or `"response"`), whose prompt is kept as
-context (`prompt_tokens`). Any other file is one plain-text transcript. Text is tokenized with the store's
-own tokenizer (the one its static version was built with). Every file is read and checked before anything is
+context (`prompt_tokens`). A record's context is kept as a server keeps a request's
+(`crest.learning.requests.served_tokens`: its last `PROMPT_TAIL` tokens), so a transcript and the same request
+served teach the same row. Any other file is one plain-text transcript. Text is tokenized with the store's own
+tokenizer (the one its static version was built with). Every file is read and checked before anything is
 appended, so a bad line leaves the log unchanged.
 """
 
@@ -20,6 +22,7 @@ from crest.decoding.tokenizer import Tokenizer, load_tokenizer
 from crest.errors import CorpusError, StoreNotFound, TokenizerError
 from crest.learning.journal import append_learned
 from crest.learning.live import published_version
+from crest.learning.requests import served_tokens
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
@@ -96,13 +99,12 @@ def _record(line: str, tok: Tokenizer, *, where: str) -> tuple[list[int], int]:
         prompt = record.get("prompt_tokens", 0)
         if not isinstance(prompt, int) or isinstance(prompt, bool) or not 0 <= prompt <= len(ids):
             raise CorpusError(f'{where}: "prompt_tokens" must be an integer between 0 and {len(ids)}')
-        return list(ids), prompt
+        return served_tokens(ids[:prompt], ids[prompt:])
     if isinstance(record.get("text"), str):
         return tok.encode(record["text"]), 0
     answer = record.get("completion", record.get("response"))
     if isinstance(record.get("prompt"), str) and isinstance(answer, str):
-        prompt_ids = tok.encode(record["prompt"])
-        return prompt_ids + tok.encode(answer), len(prompt_ids)
+        return served_tokens(tok.encode(record["prompt"]), tok.encode(answer))
     raise CorpusError(f'{where}: expected "tokens", "text", or "prompt" with "completion" or "response"')
 
 

@@ -145,7 +145,7 @@ class Engine:
         future = self.scheduler.submit(job)
         if teaches and name is not None:
             teach = partial(self.hub.learn, name)
-            future.add_done_callback(partial(record_outcome, teach, max_n=self.hub.max_n(name)))
+            future.add_done_callback(partial(record_outcome, teach))
         return future
 
     def encode(self, prompt: str | list[int] | list[str]) -> list[int]:
