@@ -79,6 +79,7 @@ DEFAULT_DRAFTER = "crest+prompt"  # the drafter of crest generate, crest serve a
 DEFAULT_REFRESH_INTERVAL = 10.0  # seconds between refreshes of the live tiers (crest serve, the vLLM proposer)
 DEFAULT_REPORT_INTERVAL = 60.0  # seconds between the vLLM proposer's lines on its drafts and lookups (0: none)
 
+DEFAULT_STAND_IN_FORWARD = 0.02  # seconds of the target forward a model-less benchmark step stands in for (a GPU's)
 DEFAULT_FEED_INTERVAL = 0.5  # seconds between polls of the learned log for other replicas' rows (recent tier)
 DEFAULT_REFRESH_MIN_TOKENS = 2048  # learned tokens a refresh waits for before it rebuilds a live tier
 

@@ -1,5 +1,6 @@
 """The vLLM proposer's hot path (crest.integrations.rows, crest.integrations.chain's `ChainStream`): a row follows
-its last deep chain without a lookup, a deep recent-tier match drafts without the database, the rest look up."""
+its last deep chain without a lookup, a deep recent-tier match drafts without the database, the rest look up unless
+the `LookupGate` finds their lookups do not pay for their CPU time."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from crest.drafters.recent import RecentOptions
 from crest.drafting.hub import DraftHub, LearnOptions
 from crest.ingest.pipeline import ingest
 from crest.integrations.chain import ChainStream
-from crest.integrations.rows import DEEP_MATCH, ProposerRow, draft_chains
+from crest.integrations.rows import DEEP_MATCH, MAX_REST, VALUE_DECAY, LookupGate, ProposerRow, draft_chains
 
 pytest_plugins = ["tests.fix_corpus"]
 
@@ -108,3 +109,85 @@ def test_a_row_off_every_stream_looks_up_its_store_once_per_step(hub: DraftHub) 
         row.verified(nxt)
         row.stream.advance(at, nxt)
         row.tokens.extend(nxt)
+
+
+def _gate(bar: float) -> LookupGate:
+    gate = LookupGate()
+    gate.cost, gate.rate = 1e-3, bar * 1e3  # a lookup costs 1 ms of CPU; the engine makes bar tokens in that time
+    return gate
+
+
+def _pattern(gate: LookupGate, row: ProposerRow, steps: int, *, got: int = 0) -> str:
+    """Return L (looked up, its chain got `got` tokens accepted) or R (rested) for each step."""
+    seen = ""
+    for _ in range(steps):
+        if gate.rests(row):
+            seen += "R"
+        else:
+            seen += "L"
+            row.learn_value(got)
+    return seen
+
+
+def test_a_row_whose_lookups_do_not_pay_rests_twice_as_long_each_time_up_to_max_rest() -> None:
+    gate, row = _gate(0.5), ProposerRow(None, {}, 0, [1, 2, 3])
+    seen = _pattern(gate, row, 60)
+    fails = next(i for i in range(1, 20) if VALUE_DECAY**i < 0.5)  # the optimistic first value decays to the bar
+    want = "L" * fails + "".join("R" * rest + "L" for rest in (1, 2, 4, MAX_REST, MAX_REST))
+    assert seen.startswith(want), seen
+    assert gate.rested == seen.count("R")
+
+
+def test_a_row_whose_lookups_pay_never_rests_and_one_that_pays_again_stops_resting() -> None:
+    gate = _gate(0.5)
+    paying = ProposerRow(None, {}, 0, [1])
+    assert _pattern(gate, paying, 30, got=2) == "L" * 30
+    failing = ProposerRow(None, {}, 0, [1])
+    assert "RR" in _pattern(gate, failing, 40)  # resting
+    seen = _pattern(gate, failing, 40, got=4)  # its text turned to something the store knows
+    assert seen.endswith("L" * 20) and failing.backoff == 0
+
+
+def test_rows_go_on_looking_up_through_misses_where_a_forward_dwarfs_a_lookup() -> None:
+    gate, row = _gate(1e-4), ProposerRow(None, {}, 0, [1])  # a CPU's: a forward of 65 ms, 0.4 ms of lookup
+    assert _pattern(gate, row, 60) == "L" * 60  # 60 misses in a row (where a bar of 0.5 rests it after 7)
+
+
+def test_the_stream_of_a_lookups_chain_is_credited_to_that_lookup() -> None:
+    row = ProposerRow(None, {}, 0, [1, 2])
+    row.looked, row.chain = True, _chain([5, 6], [4, 4])
+    row.verified([5, 6, 7])  # the lookup's chain, accepted whole
+    after_lookup = row.value
+    assert after_lookup == pytest.approx(VALUE_DECAY * 1.0 + (1 - VALUE_DECAY) * 2)
+    row.looked, row.streamed, row.chain = False, True, _chain([8, 9, 10], [4, 4, 4])
+    row.verified([8, 9, 10, 11])  # the stream's next chain: that lookup's tokens too
+    assert row.value == pytest.approx(after_lookup + (1 - VALUE_DECAY) * 3)
+    row.streamed, row.chain = False, _chain([12], [4])
+    row.verified([12, 13])  # a deep recent match's chain: no lookup to credit
+    assert row.value == pytest.approx(after_lookup + (1 - VALUE_DECAY) * 3)
+    row.looked = True
+    row.hand(_chain([], []))  # a lookup that drafted nothing (or was cut to nothing) brought 0
+    assert row.value == pytest.approx(VALUE_DECAY * (after_lookup + (1 - VALUE_DECAY) * 3)) and row.fresh
+
+
+def test_a_row_whose_lookups_miss_asks_the_store_less_often_behind_a_gate(hub: DraftHub) -> None:
+    text = [int(t) for t in np.random.default_rng(3).integers(2, 10, size=200)]  # nothing served: no recent match
+    store = hub.store("words")
+    policy = DraftPolicy(budget=32, adaptive=False)
+    counts = []
+    for gate in (None, _gate(5.0)):  # no gate; a bar no lookup here reaches (a fast accelerator at a large batch)
+        parts = hub.row_parts("crest+prompt", "words")
+        row = ProposerRow(parts.drafter, parts.leases, 0, text[:20])
+        before = store.stats["lookups"]
+        for _ in range(40):
+            (chain,) = draft_chains(policy, [(row, 4)], gate=gate)
+            row.hand(chain)
+            at = len(row.tokens)
+            first = chain.tokens.tolist()[:1]
+            nxt = [next(t for t in (text[at], 2, 3) if [t] != first)]  # the target takes none of the chain
+            if len(chain):
+                row.verified(nxt)
+            row.stream.advance(at, nxt)
+            row.tokens.extend(nxt)
+        counts.append(store.stats["lookups"] - before)
+    assert counts[0] == 40 and counts[1] <= 12, counts  # resting 1, 2, 4, 8, 8... steps between lookups

@@ -23,6 +23,8 @@ from unittest.mock import patch
 
 import numpy as np
 
+from crest.config import DEFAULT_STAND_IN_FORWARD
+
 
 @dataclass
 class PassFigures:
@@ -36,6 +38,12 @@ class PassFigures:
     step_ms: list[float]
     cpu_ms: list[float]
     method: str = "crest"
+    forward: float = 0.0  # seconds of the stand-in forward per step
+
+    def tokens_per_second(self) -> float:
+        """Return the engine's tokens/s were each step a forward of `forward` seconds plus the proposer's time."""
+        seconds = len(self.step_ms) * self.forward + sum(self.step_ms) / 1e3
+        return self.tokens / seconds if seconds > 0 else 0.0
 
     def row(self) -> dict[str, Any]:
         """Return the figures as one printable row."""
@@ -49,6 +57,7 @@ class PassFigures:
             "proposer ms/step p50": round(float(np.percentile(ms, 50)), 3),
             "p99": round(float(np.percentile(ms, 99)), 3),
             "CPU ms/step p50": round(float(np.percentile(self.cpu_ms or [0.0], 50)), 3),
+            f"tokens/s at {self.forward * 1e3:g} ms a forward": round(self.tokens_per_second(), 1),
         }
 
 
@@ -91,11 +100,25 @@ def chat_requests(
     return found
 
 
+class StandInClock:
+    """The engine's time as the proposer sees it: this machine's, plus a stand-in forward of `forward` seconds per
+    step, whatever its tokens (no model runs here; flat, as on a GPU at small batches). The proposer sizes chains by
+    the forwards' cost and weighs each row's lookup CPU against the engine's tokens/s."""
+
+    def __init__(self, forward: float) -> None:
+        self.forward, self.forwards = forward, 0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.forwards * self.forward
+
+
 class _Runner:
     """vLLM's model runner as the proposer sees it: the batch's request ids, and chains verified against targets."""
 
-    def __init__(self, proposer: Any, requests: list[tuple[str, list[int], list[int]]]) -> None:
-        self.proposer = proposer
+    def __init__(
+        self, proposer: Any, requests: list[tuple[str, list[int], list[int]]], *, clock: StandInClock | None = None
+    ) -> None:
+        self.proposer, self.clock = proposer, clock
         self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, np.int32))
         self.requests = {
             rid: SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=len(out), stop_token_ids=[],
@@ -115,6 +138,8 @@ class _Runner:
         self.step()
 
     def step(self) -> None:
+        if self.clock is not None:
+            self.clock.forwards += 1  # the target's forward that verified the last drafts
         sampled = []
         for rid, have in self.tokens.items():
             target, draft = self.targets[rid], self.drafts.get(rid, [])
@@ -132,7 +157,8 @@ class _Runner:
         token_ids = np.zeros((len(ids), width), np.int32)
         for i, r in enumerate(ids):
             token_ids[i, : lengths[i]] = self.tokens[r]
-        scheduler_output = SimpleNamespace(total_num_scheduled_tokens=int(lengths.sum()))
+        scheduled = sum(1 + len(self.drafts.get(r, [])) for r in ids)  # what the step verified, as vLLM counts it
+        scheduler_output = SimpleNamespace(total_num_scheduled_tokens=scheduled)
         self.drafts = dict(zip(ids, self.propose_draft_token_ids(scheduler_output, sampled, lengths, token_ids),
                                strict=True))  # fmt: skip
         for r in ids:
@@ -177,7 +203,9 @@ class SuffixStandIn:
         return drafts
 
 
-def run_suffix(requests: list[tuple[list[int], list[int]]], *, concurrency: int = 8) -> list[PassFigures]:
+def run_suffix(
+    requests: list[tuple[list[int], list[int]]], *, concurrency: int = 8, forward: float = DEFAULT_STAND_IN_FORWARD
+) -> list[PassFigures]:
     """Return vLLM `suffix`'s figures on the same two passes (one cache for both, as one vLLM server keeps it)."""
     proposer = SuffixStandIn()
     found = []
@@ -191,7 +219,7 @@ def run_suffix(requests: list[tuple[list[int], list[int]]], *, concurrency: int 
             tokens += sum(len(out) for _, _, out in batch)
             accepted += runner.accepted
         ms = [s * 1e3 for s in proposer.seconds[before:]]
-        found.append(PassFigures(label, False, width, tokens, accepted, ms, [], method="vllm suffix"))
+        found.append(PassFigures(label, False, width, tokens, accepted, ms, [], method="vllm suffix", forward=forward))
     return found
 
 
@@ -203,8 +231,10 @@ def run_passes(
     k: int = 8,
     concurrency: int = 8,
     vocab: int = 49152,
+    forward: float = DEFAULT_STAND_IN_FORWARD,
 ) -> list[PassFigures]:
-    """Return the two passes' figures with the recent tier off, then on (the store's learned rows forgotten first)."""
+    """Return the two passes' figures with the recent tier off, then on (the store's learned rows forgotten first);
+    each step stands in for a target forward of `forward` seconds."""
     import crest.integrations.vllm as vllm_proposer
     from crest.config import VllmSettings, resolve_dsn
     from crest.learning.forget import forget
@@ -220,19 +250,20 @@ def run_passes(
                                 recent=recent, feed_interval=0)  # fmt: skip
         with patch.object(vllm_proposer, "tokenizer_fingerprint", lambda _config: None):  # the store's tokenizer
             proposer = vllm_proposer.CrestProposer(config, settings=settings, idle_learn=0)
+        clock = proposer.clock = StandInClock(forward)
         try:
             for label, width in (("first sight", 1), ("again", concurrency)):
                 before = len(proposer.report.seconds)
                 tokens = accepted = 0
                 for start in range(0, len(requests), width):
                     batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
-                    runner = _Runner(proposer, batch)
+                    runner = _Runner(proposer, batch, clock=clock)
                     runner.run()
                     tokens += sum(len(out) for _, _, out in batch)
                     accepted += runner.accepted
                 ms = [s * 1e3 for s in proposer.report.seconds[before:]]
                 cpu = [s * 1e3 for s in proposer.report.cpu[before:]]
-                found.append(PassFigures(label, recent, width, tokens, accepted, ms, cpu))
+                found.append(PassFigures(label, recent, width, tokens, accepted, ms, cpu, forward=forward))
         finally:
             proposer.close()
     return found

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from crest.cli.options import Dsn, StoreName, Tokenizer
+from crest.config import DEFAULT_STAND_IN_FORWARD
 
 
 def bench_proposer_cmd(
@@ -43,6 +44,14 @@ def bench_proposer_cmd(
             "run crest from .ci/vllm-venv --with-suffix's python).",
         ),
     ] = False,
+    forward_ms: Annotated[
+        float,
+        typer.Option(
+            "--forward-ms",
+            help="The target forward each step stands in for (a GPU's; no model runs): the proposer weighs each "
+            "row's lookup CPU against the engine's tokens/s.",
+        ),
+    ] = DEFAULT_STAND_IN_FORWARD * 1e3,
     dsn: Dsn = None,
 ) -> None:
     """M and the proposer's own time per step on two passes (first sight, again), recent tier off and on.
@@ -74,7 +83,9 @@ def bench_proposer_cmd(
             break
     if not requests:
         raise typer.BadParameter(f"no file of {pattern!r} holds {need} tokens", param_hint="--inputs")
-    found = run_passes(store, requests, dsn=dsn, k=k, concurrency=concurrency)
-    found += run_suffix(requests, concurrency=concurrency) if suffix else []
+    if forward_ms < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--forward-ms")
+    found = run_passes(store, requests, dsn=dsn, k=k, concurrency=concurrency, forward=forward_ms / 1e3)
+    found += run_suffix(requests, concurrency=concurrency, forward=forward_ms / 1e3) if suffix else []
     for figures in found:
         typer.echo(json.dumps(figures.row()))

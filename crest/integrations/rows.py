@@ -9,13 +9,15 @@ Each step, every row that drafts gets its chain the cheapest way that is as good
    its continuation needs neither the database nor a merge;
 3. else the row's drafter: its parts looked up for all such rows at once (`prefetch_parts`: the store's tiers in
    one round trip, a dense part's neighbours in one search), merged with the recent tier and the prompt, and the
-   best path of that tree (`best_chain`).
+   best path of that tree (`best_chain`) -- unless the `LookupGate` says the row's lookups do not pay for the CPU
+   they cost (a row on text nobody served, in a large batch on a fast accelerator): then it rests a few steps.
 Each chain is drafted as deep as the lookup allows (`STREAM_DEPTH`); a step hands out at most its room, and the
 rest is the stream. The per-part accepted counts (what the learned row records) follow each chain's parts.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,10 @@ STREAM_DEPTH = 32  # deepest chain drafted per lookup: a step hands out at most 
 
 DEEP_MATCH = 16  # tokens of context that must have occurred before for the recent tier alone to draft the row
 
+VALUE_DECAY = 0.9  # a row's estimate of the tokens its lookups get accepted follows its last ~10 lookups (bursty)
+
+MAX_REST = 8  # steps a row whose lookups do not pay goes without one at most, before it tries again
+
 
 @dataclass
 class ProposerRow:
@@ -60,6 +66,12 @@ class ProposerRow:
     accepted: int = 0
     parts: dict[str, int] = field(default_factory=dict)
     learned: bool = False
+    looked: bool = False  # the last chain came from a lookup (not the stream or a deep recent match)
+    streamed: bool = False  # the last chain came from the stream of a lookup's chain: its tokens are that lookup's
+    value: float = 1.0  # decayed chain tokens accepted per lookup (optimistic at first: a new row looks up)
+    fresh: bool = False  # `value` learned from a lookup since the gate last looked at it
+    rest: int = 0  # steps this row still goes without a lookup
+    backoff: int = 0  # the length of its last rest
 
     @property
     def lease(self) -> StoreLease | None:
@@ -74,22 +86,93 @@ class ProposerRow:
             if depth > 0 and got > 0:
                 self.parts[name] = self.parts.get(name, 0) + min(got, depth)
         self.drafted, self.accepted = self.drafted + len(self.chain), self.accepted + got
+        if self.looked:
+            self.learn_value(got)
+        elif self.streamed:  # the lookup that found the stream's chain paid this too
+            self.value += (1.0 - VALUE_DECAY) * got
         return got
 
+    def hand(self, chain: Draft) -> None:
+        """Hand the row `chain` to verify this step (a looked-up row given nothing learns its lookup brought 0)."""
+        self.chain, self.chain_at = chain, len(self.tokens)
+        if self.looked and not len(chain):
+            self.learn_value(0)
 
-def draft_chains(policy: DraftPolicy, live: Sequence[tuple[ProposerRow, int]]) -> list[Draft]:
+    def learn_value(self, got: int) -> None:
+        """Fold what a lookup's chain got accepted into the row's estimate (nothing drafted: 0)."""
+        self.value, self.fresh = VALUE_DECAY * self.value + (1.0 - VALUE_DECAY) * got, True
+
+
+class LookupGate:
+    """Whether a row's lookup pays for the CPU it costs, counted in the whole engine's tokens.
+
+    A row's lookup (its share of the round trip, the merge and the best chain) costs `cost` seconds of CPU, on the
+    step's critical path; the engine makes `rate` new tokens a second. A lookup pays when the tokens it is expected
+    to get accepted exceed cost x rate, what the engine makes in that time. A row's expectation is the decayed mean
+    of what its last lookups got accepted; a row below that bar rests 1, 2, 4... up to `MAX_REST` steps between
+    lookups, and one that pays again looks up every step. Where a forward takes tens of milliseconds (this CPU) the
+    bar is near 0 and every row looks up; on a fast accelerator at a large batch, rows on unseen text rest.
+    """
+
+    def __init__(self) -> None:
+        self.cost = 0.0  # seconds of CPU per looked-up row (decayed mean)
+        self.rate = 0.0  # new tokens per second of the engine (decayed mean)
+        self._last: float | None = None
+        self.rested = 0  # lookups skipped, for the report
+
+    def bar(self) -> float:
+        """Return the accepted tokens a lookup must be expected to bring to pay for its CPU."""
+        return self.cost * self.rate
+
+    def step(self, tokens: int, *, now: float) -> None:
+        """Count a step that brought `tokens` new tokens, at the engine's time `now` (seconds)."""
+        if self._last is not None and now > self._last:
+            rate = tokens / (now - self._last)
+            self.rate = rate if self.rate == 0 else 0.9 * self.rate + 0.1 * rate
+        self._last = now
+
+    def looked(self, seconds: float, rows: int) -> None:
+        """Count `rows` lookups that took `seconds` of CPU together."""
+        if rows > 0:
+            cost = seconds / rows
+            self.cost = cost if self.cost == 0 else 0.9 * self.cost + 0.1 * cost
+
+    def rests(self, row: ProposerRow) -> bool:
+        """Return whether the row goes without a lookup this step."""
+        if row.rest > 0:
+            row.rest -= 1
+        elif row.fresh and row.value < self.bar():  # its last lookup did not pay: rest twice as long as last time
+            row.fresh, row.backoff = False, min(MAX_REST, 2 * row.backoff or 1)
+            row.rest = row.backoff - 1
+        else:  # it pays, or it rested and tries again
+            if row.value >= self.bar():
+                row.backoff = 0
+            return False
+        self.rested += 1
+        return True
+
+
+def draft_chains(
+    policy: DraftPolicy, live: Sequence[tuple[ProposerRow, int]], *, gate: LookupGate | None = None
+) -> list[Draft]:
     """Return each (row, room)'s chain of at most `room` tokens: from its stream, a deep recent match, or its drafter
-    (one store round trip for all of those); each row's stream then follows its chain."""
+    (one store round trip for all of those the gate lets look up); each row's stream then follows its chain."""
     chains: list[Draft] = [empty_draft()] * len(live)
     looked: list[int] = []
     for j, (row, room) in enumerate(live):
         chain = row.stream.take(room, at=len(row.tokens))
+        row.streamed = chain is not None and row.streamed  # the stream goes on from a lookup's chain
         if chain is None:
             chain = _deep_recent(row, room)
-        if chain is None:
-            looked.append(j)
-        else:
+            row.streamed = chain is None  # a lookup's chain, or a deep match's (no lookup), starts the stream now
+        row.looked = chain is None and (gate is None or not gate.rests(row))
+        if chain is not None:
             chains[j] = chain
+        elif row.looked:
+            looked.append(j)
+    if not looked:
+        return chains
+    cpu = time.thread_time()
     rows = [live[j][0] for j in looked]
     prefetch_parts([(r.leases, BatchRow(r.tokens, r.hidden)) for r in rows], max_nodes=policy.budget)
     for j in looked:
@@ -99,6 +182,8 @@ def draft_chains(policy: DraftPolicy, live: Sequence[tuple[ProposerRow, int]]) -
         parts = drafted_parts(row.drafter, tree, context_length=len(row.tokens)) if len(best) else {}
         row.stream.start(best, chain_parts(parts, best), at=len(row.tokens))
         chains[j] = best.truncate(room)
+    if gate is not None:
+        gate.looked(time.thread_time() - cpu, len(looked))
     return chains
 
 

@@ -53,7 +53,7 @@ from crest.integrations._vllm_runner import (
     tokenizer_fingerprint,
     vocab_size,
 )
-from crest.integrations.rows import ProposerRow, draft_chains, lookup_nodes
+from crest.integrations.rows import LookupGate, ProposerRow, draft_chains, lookup_nodes
 from crest.learning.requests import row_stats
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,9 @@ class CrestProposer:
         self.hub.start()
         self._rows: dict[str, ProposerRow] = {}
         self._parked: dict[str, ProposerRow] = {}  # rows vLLM stopped running: learned once they stay gone
-        self._last_end: float | None = None
+        self._last_end: float | None = None  # the engine's time (`clock`) when the last call returned
+        self.clock = time.perf_counter  # the engine's time (a benchmark without a model adds its stand-in forwards)
+        self.gate = LookupGate()  # which rows' lookups pay for their CPU time
         self._failures = 0
         stats = self._store_stats if self.store is not None else None
         self.report = DraftReport(stats, every=self.settings.report_interval)
@@ -150,7 +152,7 @@ class CrestProposer:
                 log.log(
                     level, "crest proposer failed, no drafts this step (said once): %s: %s", type(exc).__name__, exc
                 )
-                self._last_end = time.perf_counter()
+                self._last_end = self.clock()
                 return [[] for _ in range(rows)]
             finally:
                 self._last_call = time.monotonic()
@@ -171,7 +173,7 @@ class CrestProposer:
     def _propose(
         self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: RunnerBatch | None
     ) -> list[list[int]]:
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu, now = time.perf_counter(), time.thread_time(), self.clock()
         rows = len(sampled)
         keys = batch.ids if batch is not None else [f"row{i}" for i in range(rows)]
         accepted = predicted = 0.0
@@ -205,18 +207,19 @@ class CrestProposer:
                 live.append((i, row, room))
         if verified:
             self.policy.observe(accepted=int(accepted), predicted=predicted)
-        self._observe_cost(start, rows, batch)
+        self.gate.step(sum(len(new) for new in sampled), now=now)
+        self._observe_cost(now, rows, batch)
         self._forget(set(keys))
         drafts: list[list[int]] = [[] for _ in range(rows)]
         if live and not self.policy.skip(len(live)):
             self._feed_dense(live, batch)  # only for a step that drafts
-            chains = draft_chains(self.policy, [(r, room) for _, r, room in live])
+            chains = draft_chains(self.policy, [(r, room) for _, r, room in live], gate=self.gate)
             cut, _ = self.policy.size(chains)
             for (i, row, _), chain in zip(live, cut, strict=True):
-                row.chain, row.chain_at = chain, len(row.tokens)
+                row.hand(chain)
                 drafts[i] = [int(t) for t in chain.tokens]
-        self._last_end = time.perf_counter()
-        self.report.step(seconds=self._last_end - start, cpu=time.thread_time() - cpu, rows=rows)
+        self._last_end = self.clock()
+        self.report.step(seconds=time.perf_counter() - start, cpu=time.thread_time() - cpu, rows=rows)
         return drafts
 
     def _store_stats(self) -> dict[str, int]:
