@@ -191,3 +191,11 @@ def test_a_row_whose_lookups_miss_asks_the_store_less_often_behind_a_gate(hub: D
             row.tokens.extend(nxt)
         counts.append(store.stats["lookups"] - before)
     assert counts[0] == 40 and counts[1] <= 12, counts  # resting 1, 2, 4, 8, 8... steps between lookups
+
+
+def test_a_cold_first_lookup_does_not_set_the_bar() -> None:
+    gate = LookupGate()
+    gate.looked(0.05, 1)  # a new connection, cold caches: 50 ms for one row
+    for _ in range(4):
+        gate.looked(0.002, 4)  # then 0.5 ms a row
+    assert gate.cost == pytest.approx(0.0005)

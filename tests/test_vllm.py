@@ -123,7 +123,7 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
     line = re.compile(
         r"crest proposer, last \d+ s: (\d+) steps, (\d+) draft tokens verified, (\d+) accepted \(\d+%\); "
         r"since start (\d+) verified, (\d+) accepted; proposer time per step p50 [\d.]+ ms, p99 [\d.]+ ms "
-        r"\([\d.]+ ms per row; CPU p50 [\d.]+ ms\); "
+        r"\([\d.]+ ms per row; CPU p50 [\d.]+ ms\); (\d+) lookups rested \(not worth their CPU\); "
         r"store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
     )
     found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
@@ -133,8 +133,9 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
         return
     every_step = every < 1
     assert len(found) == (runner.steps if every_step else 1) and said_before_close == (len(found) if every_step else 0)
-    steps, drafted, accepted, _, _, lookups, _, timeouts, failed = totals
+    steps, drafted, accepted, _, _, rested, lookups, _, timeouts, failed = totals
     assert (steps, drafted, accepted) == (runner.steps, runner.drafted, runner.accepted), totals
+    assert rested == proposer.gate.rested
     assert found[-1][3:5] == [runner.drafted, runner.accepted]  # since start: what vLLM's counters say
     assert lookups > 0 and timeouts == failed == 0
 

@@ -51,7 +51,7 @@ class DraftReport:
 
     def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float) -> None:
         self.stats, self.every = stats, every
-        self.steps = self.drafted = self.accepted = 0
+        self.steps = self.drafted = self.accepted = self.rested = 0
         self.total_drafted = self.total_accepted = 0
         self.seconds: list[float] = []  # the proposer's own time of each step since the last line
         self.per_row: list[float] = []  # the same, per row of the step
@@ -66,10 +66,11 @@ class DraftReport:
         self.total_drafted += drafted
         self.total_accepted += accepted
 
-    def step(self, *, seconds: float = 0.0, cpu: float = 0.0, rows: int = 1) -> None:
-        """Count a step that took the proposer `seconds` (`cpu` of them on its CPU) for `rows` rows; say the line
-        when `every` seconds passed."""
+    def step(self, *, seconds: float = 0.0, cpu: float = 0.0, rows: int = 1, rested: int = 0) -> None:
+        """Count a step that took the proposer `seconds` (`cpu` of them on its CPU) for `rows` rows, `rested` of
+        which went without a lookup that would not have paid; say the line when `every` seconds passed."""
         self.steps += 1
+        self.rested += rested
         self.seconds.append(seconds)
         self.cpu.append(cpu)
         self.per_row.append(seconds / max(1, rows))
@@ -91,7 +92,7 @@ class DraftReport:
                 f"crest proposer, last {now - self._since:.0f} s: {self.steps} steps, {self.drafted} draft tokens "
                 f"verified, {self.accepted} accepted ({share:.0f}%); since start {self.total_drafted} verified, "
                 f"{self.total_accepted} accepted; proposer time per step p50 {p50:.2f} ms, p99 {p99:.2f} ms "
-                f"({row:.3f} ms per row; CPU p50 {cpu:.2f} ms)"
+                f"({row:.3f} ms per row; CPU p50 {cpu:.2f} ms); {self.rested} lookups rested (not worth their CPU)"
             )
             if self.stats is not None:
                 d = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in LOOKUP_COUNTS}
@@ -100,7 +101,7 @@ class DraftReport:
                     f"failed {d['errors']})"
                 )
             log.info(line)
-        self.steps = self.drafted = self.accepted = 0
+        self.steps = self.drafted = self.accepted = self.rested = 0
         self.seconds, self.per_row, self.cpu = [], [], []
         self._since, self._seen = now, stats
         return line

@@ -17,7 +17,9 @@ rest is the stream. The per-part accepted counts (what the learned row records) 
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,8 @@ DEEP_MATCH = 16  # tokens of context that must have occurred before for the rece
 VALUE_DECAY = 0.9  # a row's estimate of the tokens its lookups get accepted follows its last ~10 lookups (bursty)
 
 MAX_REST = 8  # steps a row whose lookups do not pay goes without one at most, before it tries again
+
+COST_SAMPLES = 64  # the last steps' CPU per looked-up row whose median is a lookup's cost
 
 
 @dataclass
@@ -115,7 +119,8 @@ class LookupGate:
     """
 
     def __init__(self) -> None:
-        self.cost = 0.0  # seconds of CPU per looked-up row (decayed mean)
+        self._costs: deque[float] = deque(maxlen=COST_SAMPLES)  # seconds of CPU per looked-up row, by step
+        self.cost = 0.0  # their median: a cold first lookup (a new connection, cold caches) must not set the bar
         self.rate = 0.0  # new tokens per second of the engine (decayed mean)
         self._last: float | None = None
         self.rested = 0  # lookups skipped, for the report
@@ -134,8 +139,8 @@ class LookupGate:
     def looked(self, seconds: float, rows: int) -> None:
         """Count `rows` lookups that took `seconds` of CPU together."""
         if rows > 0:
-            cost = seconds / rows
-            self.cost = cost if self.cost == 0 else 0.9 * self.cost + 0.1 * cost
+            self._costs.append(seconds / rows)
+            self.cost = statistics.median(self._costs)
 
     def rests(self, row: ProposerRow) -> bool:
         """Return whether the row goes without a lookup this step."""

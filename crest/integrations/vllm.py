@@ -173,7 +173,7 @@ class CrestProposer:
     def _propose(
         self, sampled: list[list[int]], lengths: np.ndarray, token_ids: np.ndarray, batch: RunnerBatch | None
     ) -> list[list[int]]:
-        start, cpu, now = time.perf_counter(), time.thread_time(), self.clock()
+        start, cpu, now, rested = time.perf_counter(), time.thread_time(), self.clock(), self.gate.rested
         rows = len(sampled)
         keys = batch.ids if batch is not None else [f"row{i}" for i in range(rows)]
         accepted = predicted = 0.0
@@ -219,7 +219,8 @@ class CrestProposer:
                 row.hand(chain)
                 drafts[i] = [int(t) for t in chain.tokens]
         self._last_end = self.clock()
-        self.report.step(seconds=time.perf_counter() - start, cpu=time.thread_time() - cpu, rows=rows)
+        self.report.step(seconds=time.perf_counter() - start, cpu=time.thread_time() - cpu, rows=rows,
+                         rested=self.gate.rested - rested)  # fmt: skip
         return drafts
 
     def _store_stats(self) -> dict[str, int]:
