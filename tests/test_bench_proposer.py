@@ -1,4 +1,5 @@
-"""`crest bench proposer` (crest.bench.proposer): the proposer alone on two passes, recent tier off and on."""
+"""`crest bench proposer` (crest.bench.proposer): the proposer alone on two passes, recent tier off and on, then in a
+new process warmed from the learned log."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ def test_the_second_pass_drafts_whole_answers_from_the_recent_tier_only(
     order = [2, 5, 7, 3, 8, 4, 6, 2, 8, 3, 5, 6, 7, 4, 2, 3, 8, 6, 5, 7, 4, 3, 2, 8]  # an order the store never saw
     requests = [(order[i : i + 4], order[i + 4 :] + order[:i]) for i in range(4)]
     figures = {(f.label, f.recent): f for f in run_passes("words", requests, dsn=db_dsn, k=4, concurrency=4, vocab=9)}
-    assert set(figures) == {(p, r) for p in ("first sight", "again") for r in (False, True)}
-    again, without = figures["again", True], figures["again", False]
-    assert again.tokens == without.tokens == sum(len(out) for _, out in requests)
+    want = {(p, r) for p in ("first sight", "again") for r in (False, True)} | {("another replica", True)}
+    assert set(figures) == want
+    again, without, replica = figures["again", True], figures["again", False], figures["another replica", True]
+    assert again.tokens == without.tokens == replica.tokens == sum(len(out) for _, out in requests)
     assert again.row()["M"] > 3.0 > without.row()["M"], (again.row(), without.row())  # K + 1 = 5 at most
+    # a new process knows what the last one served: its recent tier is warmed from the learned log
+    assert replica.row()["M"] > 3.0, replica.row()
     assert all(f.step_ms and min(f.step_ms) > 0 for f in figures.values())
 
 
@@ -57,7 +61,8 @@ def test_the_assistant_header_is_what_the_template_adds_for_the_answer() -> None
 def test_vllm_suffix_drafts_a_request_it_served_whole_through_the_same_runner() -> None:
     pytest.importorskip("arctic_inference.suffix_decoding")
     requests = [([1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11]), ([9, 9, 9], [12, 13, 14, 15, 16, 17, 18, 19])]
-    first, again = run_suffix(requests, concurrency=2)
+    first, again, replica = run_suffix(requests, concurrency=2)
     assert (first.label, again.label, again.method) == ("first sight", "again", "vllm suffix")
     assert first.tokens == again.tokens == 16 and again.accepted > first.accepted
+    assert replica.label == "another replica" and replica.accepted < again.accepted  # its cache died with it
     assert again.row()["recent tier"] == "-"

@@ -206,10 +206,13 @@ class SuffixStandIn:
 def run_suffix(
     requests: list[tuple[list[int], list[int]]], *, concurrency: int = 8, forward: float = DEFAULT_STAND_IN_FORWARD
 ) -> list[PassFigures]:
-    """Return vLLM `suffix`'s figures on the same two passes (one cache for both, as one vLLM server keeps it)."""
+    """Return vLLM `suffix`'s figures on the same two passes (one cache for both, as one vLLM server keeps it), then
+    on another replica (a new process: a cache of its own, empty)."""
     proposer = SuffixStandIn()
     found = []
-    for label, width in (("first sight", 1), ("again", concurrency)):
+    for label, width in (("first sight", 1), ("again", concurrency), ("another replica", concurrency)):
+        if label == "another replica":
+            proposer = SuffixStandIn()
         before, tokens, accepted = len(proposer.seconds), 0, 0
         for start in range(0, len(requests), width):
             batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
@@ -233,37 +236,69 @@ def run_passes(
     vocab: int = 49152,
     forward: float = DEFAULT_STAND_IN_FORWARD,
 ) -> list[PassFigures]:
-    """Return the two passes' figures with the recent tier off, then on (the store's learned rows forgotten first);
-    each step stands in for a target forward of `forward` seconds."""
-    import crest.integrations.vllm as vllm_proposer
-    from crest.config import VllmSettings, resolve_dsn
+    """Return the two passes' figures with the recent tier off, then on (the store's learned rows forgotten first),
+    then "another replica": a new process (a restart, or the fleet's next replica) whose recent tier the learned
+    log warmed, serving the same requests `concurrency` at a time; each step stands in for a target forward of
+    `forward` seconds."""
+    from crest.config import resolve_dsn
     from crest.learning.forget import forget
+
+    found: list[PassFigures] = []
+    for recent in (False, True):
+        forget(resolve_dsn(dsn), store)
+        proposer = _proposer(store, dsn=dsn, k=k, vocab=vocab, recent=recent, forward=forward)
+        try:
+            found += [_serve(proposer, requests, label, width) for label, width in (("first sight", 1),
+                                                                                   ("again", concurrency))]  # fmt: skip
+        finally:
+            proposer.close()  # its learned rows written: the log the next process is warmed from
+    proposer = _proposer(store, dsn=dsn, k=k, vocab=vocab, recent=True, forward=forward, feed=True)
+    try:
+        deadline = time.monotonic() + WARM_TIMEOUT
+        while proposer.hub.feed.counts["rows"] < len(requests):  # the feed warms it from the log at its start
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the learned log did not warm a new process within {WARM_TIMEOUT:g} s")
+            time.sleep(0.05)  # polling a condition under a deadline
+        found.append(_serve(proposer, requests, "another replica", concurrency))
+    finally:
+        proposer.close()
+    return found
+
+
+WARM_TIMEOUT = 60.0  # seconds a new process's recent tier may take to be warmed from the learned log
+
+
+def _proposer(
+    store: str, *, dsn: str | None, k: int, vocab: int, recent: bool, forward: float, feed: bool = False
+) -> Any:
+    """Return a vLLM proposer on `store` as vLLM would make it, its clock standing in for `forward`-second forwards
+    (`feed`: its recent tier warmed from the learned log at start, and polled no more)."""
+    import crest.integrations.vllm as vllm_proposer
+    from crest.config import VllmSettings
 
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(max_model_len=1 << 16, tokenizer="", model="", get_vocab_size=lambda: vocab),
     )
-    found: list[PassFigures] = []
-    for recent in (False, True):
-        forget(resolve_dsn(dsn), store)
-        settings = VllmSettings(store=store, dsn=dsn, read_dsn=dsn, refresh_interval=0, report_interval=0,
-                                recent=recent, feed_interval=0)  # fmt: skip
-        with patch.object(vllm_proposer, "tokenizer_fingerprint", lambda _config: None):  # the store's tokenizer
-            proposer = vllm_proposer.CrestProposer(config, settings=settings, idle_learn=0)
-        clock = proposer.clock = StandInClock(forward)
-        try:
-            for label, width in (("first sight", 1), ("again", concurrency)):
-                before = len(proposer.report.seconds)
-                tokens = accepted = 0
-                for start in range(0, len(requests), width):
-                    batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
-                    runner = _Runner(proposer, batch, clock=clock)
-                    runner.run()
-                    tokens += sum(len(out) for _, _, out in batch)
-                    accepted += runner.accepted
-                ms = [s * 1e3 for s in proposer.report.seconds[before:]]
-                cpu = [s * 1e3 for s in proposer.report.cpu[before:]]
-                found.append(PassFigures(label, recent, width, tokens, accepted, ms, cpu, forward=forward))
-        finally:
-            proposer.close()
-    return found
+    settings = VllmSettings(store=store, dsn=dsn, read_dsn=dsn, refresh_interval=0, report_interval=0, recent=recent,
+                            feed_interval=3600.0 if feed else 0)  # fmt: skip
+    with patch.object(vllm_proposer, "tokenizer_fingerprint", lambda _config: None):  # the store's tokenizer
+        proposer = vllm_proposer.CrestProposer(config, settings=settings, idle_learn=0)
+    proposer.clock = StandInClock(forward)
+    return proposer
+
+
+def _serve(proposer: Any, requests: list[tuple[list[int], list[int]]], label: str, width: int) -> PassFigures:
+    """Return the figures of one pass over the requests, `width` at a time."""
+    before = len(proposer.report.seconds)
+    tokens = accepted = 0
+    for start in range(0, len(requests), width):
+        batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
+        runner = _Runner(proposer, batch, clock=proposer.clock)
+        runner.run()
+        tokens += sum(len(out) for _, _, out in batch)
+        accepted += runner.accepted
+    ms = [s * 1e3 for s in proposer.report.seconds[before:]]
+    cpu = [s * 1e3 for s in proposer.report.cpu[before:]]
+    recent = proposer.hub.recent(proposer.settings.store) is not None
+    return PassFigures(label, recent, width, tokens, accepted, ms, cpu, forward=proposer.clock.forward)
