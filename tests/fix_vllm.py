@@ -29,6 +29,8 @@ import numpy as np
 import pytest
 import torch
 
+from crest.bench.proposer import StandInClock
+from crest.config import DEFAULT_STAND_IN_FORWARD
 from crest.integrations.vllm import CrestProposer
 
 EOS = 1  # the word tokenizer's [EOS]
@@ -87,6 +89,9 @@ class Runner:
 
     def __init__(self, proposer: CrestProposer, *, width: int = 64, model: Any = None) -> None:
         self.proposer, self.width, self.model = proposer, width, model
+        # the engine's time: a stand-in forward per step (no model runs), so the proposer's lookup gate weighs its
+        # lookups against an engine's tokens/s, not against this loop's microseconds
+        self.clock = proposer.clock = StandInClock(DEFAULT_STAND_IN_FORWARD)
         self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, np.int32))
         self.requests: dict[str, Any] = {}
         self.targets: dict[str, list[int]] = {}
@@ -104,6 +109,7 @@ class Runner:
 
     def step(self) -> list[list[int]]:
         """Verify every row's draft, drop finished rows (as vLLM's scheduler does) and ask for the next drafts."""
+        self.clock.forwards += 1
         sampled: list[list[int]] = []
         rows: list[Any] = []  # per row, the hidden states [d + 1, H] of the logits rows of its draft of d tokens
         for req_id in list(self.tokens):
