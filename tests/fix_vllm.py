@@ -8,7 +8,7 @@ verification does. Given a model, its frame also holds what vLLM's does for the 
 row) and `spec_decode_metadata` (None when the step verified no draft).
 
 For the slow tests: `VllmServer` runs vLLM's OpenAI server in a subprocess (greedy completions, seeded samples,
-its /metrics), optionally with `EXPAND_FIX` for sampling with speculation; a private PostgreSQL a test may kill is
+its /metrics); a private PostgreSQL a test may kill is
 `tests.fix_db.OwnServer`.
 """
 
@@ -39,49 +39,6 @@ MAX_TOKENS = 40  # a greedy completion's length unless a test asks for another
 # pytest-timeout counts a test function only (pyproject.toml): fixtures that start servers bound their own waits
 START_TIMEOUT = 480.0  # seconds for a vLLM server to answer /health (about 2 minutes on 2 cores)
 REQUEST_TIMEOUT = 240.0  # seconds for one completion
-# vLLM 0.32.0's CPU build verifies sampled rows (temperature > 0) with a garbage temperature: its C++ stand-in for
-# the Triton `expand_kernel` (`vllm.utils.cpu_triton_utils._expand_kernel_impl`) writes into an int64 copy of the
-# float32 output that `expand_batch_to_tokens` then returns unwritten (torch.empty), so `apply_sampling_constraints`
-# divides the draft rows' logits by leftovers (0, 1e-43, ...). Every draft is rejected and the recovered token is
-# noise ("self.stack" at T = 0.2 comes back as "antioxidator"), whoever drafts. Put on the path of vLLM's processes
-# (spawned, so a sitecustomize), this replaces that stand-in with one that writes the output itself.
-EXPAND_FIX = """
-import importlib.abc
-import sys
-
-TARGET = "vllm.utils.cpu_triton_utils"
-
-
-def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-    import torch
-
-    # output: [num_tokens]; input_val, cu_num_tokens: [batch]: row i's value over its cu_num_tokens slots
-    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
-    output.copy_(torch.repeat_interleave(values, counts).to(output.dtype))
-
-
-class _Patch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        others = [f for f in sys.meta_path if f is not self and hasattr(f, "find_spec")]
-        spec = next((s for f in others if (s := f.find_spec(name, path, target)) is not None), None)
-        if spec is not None and spec.loader is not None:
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                module._expand_kernel_impl = _expand
-                print("EXPAND_FIX applied", file=sys.stderr, flush=True)
-
-            spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _Patch())
-"""
-EXPAND_FIXED = "EXPAND_FIX applied"  # what a vLLM process that took EXPAND_FIX says in the server's log
 
 
 class Runner:
@@ -215,9 +172,8 @@ class VllmServer:
         spec: dict[str, Any] | None,
         env: dict[str, str],
         max_seqs: int = 8,
-        expand_fix: bool = False,
     ) -> None:
-        """Start the server; `expand_fix` puts `EXPAND_FIX` on its processes' path (see there)."""
+        """Start the server."""
         import httpx
 
         with socket.socket() as s:
@@ -231,11 +187,6 @@ class VllmServer:
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec)]
         full = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
-        if expand_fix:
-            shim = log.parent / f"{log.stem}-sitecustomize"
-            shim.mkdir(exist_ok=True)
-            (shim / "sitecustomize.py").write_text(EXPAND_FIX, encoding="utf-8")
-            full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), full.get("PYTHONPATH")]))
         with log.open("wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True)
         limits = httpx.Limits(max_connections=max(max_seqs, 8))

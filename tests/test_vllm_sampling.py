@@ -5,7 +5,8 @@ One vLLM without speculation gives the references (the prompt's greedy tokens; s
 holds only the prompt and its greedy text, so its deep keys are unique and it drafts the greedy continuation
 (checked with `Store.draft` before any sample is drawn). One vLLM with `CrestProposer` (drafter `crest`, no
 recent tier, no learning, no live refresh: every draft comes from that store) then samples with seeds of its own,
-with `fix_vllm.EXPAND_FIX` (vLLM 0.32.0's CPU build verifies sampled rows with a garbage temperature, whoever drafts).
+and the proposer's fix of vLLM 0.32.0's CPU expand kernel (`crest.integrations._vllm_sampling`: that build verifies
+sampled rows with a garbage temperature, whoever drafts; the test asserts the proposer found and fixed it).
 vLLM's rejection sampling is exact in distribution, not draw for draw (a draft changes which random numbers a row
 uses), so the test compares where each sample first leaves the greedy text (position and token) with a
 chi-square homogeneity test, asserts that many drafted tokens were accepted, and shows on the same samples that
@@ -28,7 +29,7 @@ import pytest
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
 from tests.fix_db import _database
-from tests.fix_vllm import EXPAND_FIXED, K, VllmServer, required_vllm_python
+from tests.fix_vllm import K, VllmServer, required_vllm_python
 
 PROMPT = "class Stack:\n    def __init__(self):"  # greedy "\n        self.stack = []": likely, not certain, at T = 1
 TEMPERATURE = 1.0
@@ -37,6 +38,7 @@ TAUGHT_TOKENS = 24  # the store holds this much of the prompt's greedy text
 SAMPLES = 160  # seeded requests per server
 CONCURRENCY = 4  # requests at a time: short steps on a loaded machine, and the policy drafts a small batch fully
 ALPHA = 1e-3  # the test's significance: a right rule fails it one run in a thousand
+FIXED = "crest replaced it with a torch one"  # what the proposer logs when it fixed vLLM's CPU expand kernel
 POOLED = 10  # categories both servers' samples together hold fewer times than this are pooled (chi-square's rule:
 # an expected count of at least 5 in each of the two columns)
 OTHER = -2  # the pooled categories' position or token (-1 is the token of "no departure")
@@ -75,7 +77,7 @@ def served(store_dsn: str, tmp_path_factory: pytest.TempPathFactory, smollm2_ggu
     # lookups on a loaded machine can outrun the 10 ms default and draft nothing (see test_vllm.served)
     env |= {"CREST_LOOKUP_TIMEOUT": "0.5", "CREST_REPORT_INTERVAL": "1"}
     spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": K}
-    server = VllmServer(python, model, root / "crest.log", spec=spec, env=env, expand_fix=True)
+    server = VllmServer(python, model, root / "crest.log", spec=spec, env=env)
     try:
         server.wait_ready()
         yield SimpleNamespace(server=server, greedy=greedy[:TOKENS], samples=samples)
@@ -147,8 +149,9 @@ def test_sampled_requests_drafted_by_crest_keep_vllms_distribution(served: Any) 
     accepted = server.counters().get("accepted_tokens_total", 0.0) - before
     assert all(len(ids) == TOKENS for ids in drawn + reference)
     pvalue = homogeneity_pvalue(reference, drawn, greedy)
-    fixed = EXPAND_FIXED in server.log.read_text(errors="replace")
+    fixed = FIXED in server.log.read_text(errors="replace")  # the proposer's fix of vLLM's CPU expand kernel
     assert pvalue > ALPHA, (pvalue, accepted, fixed, departures(reference, greedy), departures(drawn, greedy))
+    assert fixed, f"the proposer did not say it fixed vLLM's CPU expand kernel:\n{server.tail(60)}"
     # about 1.7 accepted per sample when crest drafts the greedy text (departures from it are rejected)
     assert accepted >= SAMPLES / 2, f"crest's drafts were hardly accepted ({accepted:.0f}):\n{server.tail(60)}"
     # the statistic's power at this size: the same samples, served by a rule that accepts every draft

