@@ -6,8 +6,7 @@ learned once and a tensor-parallel rank other than 0 learns nothing (real Postgr
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,11 @@ from crest.integrations.vllm import CrestProposer
 from crest.learning.feed import LearnedFeed
 from crest.learning.journal import append_learned
 from tests.fix_vllm import K, Runner, vllm_config
+from tests.fix_wait import wait_until
 
 pytest_plugins = ["tests.fix_corpus", "tests.fix_serving"]
 
 TEXT = "the cat sat on the mat a dog sat on a mat the dog sat on the cat a mat"
-
-
-def _wait(condition: Callable[[], bool], what: str, *, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -106,7 +99,7 @@ def test_another_replica_drafts_it_within_a_second_and_a_restart_keeps_it(
         assert before is not None and before.documents == 0
         _serve(first, prompt, output, "a")
         assert first.learner is not None and first.learner.flush(timeout=30)
-        _wait(lambda: before.documents == 1, "the other replica's feed never brought the learned row")
+        wait_until(lambda: before.documents == 1, "the other replica's feed never brought the learned row")
         served = _serve(other, prompt, output, "b")
         assert served.accepted == served.drafted >= len(output) - 1 - K, served.accepted
     finally:
@@ -114,7 +107,7 @@ def test_another_replica_drafts_it_within_a_second_and_a_restart_keeps_it(
         other.close()
     restarted = CrestProposer(config, settings=_settings(words, learn=False))  # a new process: warmed from the log
     try:
-        _wait(lambda: restarted.hub.recent("words").documents == 1, "not warmed")
+        wait_until(lambda: restarted.hub.recent("words").documents == 1, "not warmed")
         warmed = _serve(restarted, prompt, output, "c")
         assert warmed.accepted == warmed.drafted >= len(output) - 1 - K
     finally:
@@ -149,7 +142,7 @@ def test_a_feed_whose_database_is_down_keeps_trying_and_never_raises() -> None:
                        connect_timeout=1)  # fmt: skip
     feed.start()
     try:
-        _wait(lambda: feed.counts["failed"] >= 2, "the feed stopped trying")
+        wait_until(lambda: feed.counts["failed"] >= 2, "the feed stopped trying")
     finally:
         feed.stop()
     assert index.documents == 0 and feed.counts["polls"] == 0

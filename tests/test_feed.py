@@ -7,8 +7,6 @@ own earlier answer deep at its first step on another replica and after a restart
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,18 +18,12 @@ from crest.drafters.recent import RecentIndex
 from crest.drafting.hub import DraftHub, LearnOptions
 from crest.ingest.pipeline import ingest
 from crest.learning.requests import PROMPT_TAIL, path_length
+from tests.fix_wait import wait_until
 
 pytest_plugins = ["tests.fix_corpus"]
 
 HEADER = [2, 3, 4, 5]  # the template's assistant header: the last max-n (4) tokens of every prompt
 DEEP = 16  # answer tokens a deep match drafts at its first step (a max-n deep one: at most max-n + 2)
-
-
-def _wait(condition: Callable[[], bool], what: str, *, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -64,7 +56,7 @@ def _polls_after_open(hub: DraftHub) -> None:
     assert hub.feed is not None
     polls = hub.feed.counts["polls"]
     hub.store("words")
-    _wait(lambda: hub.feed is not None and hub.feed.counts["polls"] >= polls + 2, "the feed never polled")
+    wait_until(lambda: hub.feed is not None and hub.feed.counts["polls"] >= polls + 2, "the feed never polled")
 
 
 def _assert_drafts_deep(index: RecentIndex, asked: list[list[int]], answers: list[list[int]]) -> None:
@@ -85,7 +77,7 @@ def test_a_learned_row_reaches_another_replica_and_a_restart_with_its_prompt_tai
             teacher.learn("words", prompt, answer)
         learner = teacher.learner("words")
         assert learner is not None and learner.flush(timeout=30)
-        _wait(lambda: polled.documents == 3, "the other replica's feed never brought the learned rows")
+        wait_until(lambda: polled.documents == 3, "the other replica's feed never brought the learned rows")
         _assert_drafts_deep(polled, asked, answers)
     finally:
         teacher.close()
@@ -99,7 +91,7 @@ def test_a_learned_row_reaches_another_replica_and_a_restart_with_its_prompt_tai
         restarted.store("words")
         warmed = restarted.recent("words")
         assert warmed is not None
-        _wait(lambda: warmed.documents == 3, "the restarted process was never warmed from the log")
+        wait_until(lambda: warmed.documents == 3, "the restarted process was never warmed from the log")
         _assert_drafts_deep(warmed, asked, answers)
     finally:
         restarted.close()
