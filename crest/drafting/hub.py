@@ -42,7 +42,7 @@ from crest.drafters.registry import kind_of, make_drafter, usable_kind
 from crest.drafters.store import RETRY_INTERVAL, open_store
 from crest.learning.feed import LearnedFeed
 from crest.learning.refresher import Refresher
-from crest.learning.requests import served_tokens, store_max_n
+from crest.learning.requests import served_tokens
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +243,6 @@ class DraftHub:
         """Return the learner of the opened store `name`, or None (not opened, or this process does not record)."""
         with self._lock:
             return self._learners.get(name)
-
-    def max_n(self, name: str) -> int:
-        """Return the longest n-gram the opened store `name` keys on (a still-connecting one: the ingest default)."""
-        with self._lock:
-            return store_max_n(self._stores.get(name))
 
     def row_parts(self, name: str, store: str | None, *, strict: bool = True) -> RowParts:
         """Return a request's drafter `name` on leases of the shared parts of `store` (opened once).
