@@ -88,6 +88,7 @@ def test_the_oldest_tokens_are_evicted_beyond_the_capacity() -> None:
     index.compact()
     assert index.n_tokens <= 2048
     assert index.draft(first[:20], 8) is None  # evicted
+    assert index.tokens_from(20, 8) == []  # a stream that followed it reads on no more
     last = _doc(300)
     index.add(last)
     assert index.draft(last[:20], 8).tokens.tolist() == last[20:28]  # type: ignore[union-attr]
@@ -119,6 +120,41 @@ def test_lookups_and_appends_during_folds_lose_nothing() -> None:
     index.compact()
     assert not errors
     assert all(index.draft(d[:20], 8).tokens.tolist() == d[20:28] for d in docs[::97])  # type: ignore[union-attr]
+
+
+def test_a_fold_started_with_empty_tails_is_still_the_only_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    import crest.drafters.recent as recent
+
+    index = RecentIndex()
+    first, second = _doc(64), _doc(64)
+    index.add(first)
+    index.compact()  # `first` in the sorted block; the tails empty
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowSort:  # numpy, whose sort waits in the first fold's thread
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        def argsort(self, a: np.ndarray, kind: str = "quicksort") -> np.ndarray:
+            if threading.current_thread() is folder:
+                entered.set()
+                release.wait(10)
+            return np.argsort(a, kind="stable" if kind == "stable" else "quicksort")
+
+    monkeypatch.setattr(recent, "np", SlowSort())
+    folder = threading.Thread(target=index.compact)  # folds empty tails, slowly
+    folder.start()
+    try:
+        assert entered.wait(10)
+        index.add(second)
+        index.compact()  # a second fold meanwhile would be overwritten by the first one's older block
+    finally:
+        release.set()
+        folder.join()
+    for doc in (first, second):
+        assert index.draft(doc[:20], 8).tokens.tolist() == doc[20:28]  # type: ignore[union-attr]
+    index.compact()
+    assert index.draft(second[:20], 8).tokens.tolist() == second[20:28]  # type: ignore[union-attr]
 
 
 def test_the_drafter_names_its_part() -> None:

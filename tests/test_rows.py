@@ -15,7 +15,7 @@ from crest_client.draft import Draft, path_probabilities
 
 from crest.config import IngestOptions
 from crest.decoding.policy import DraftPolicy
-from crest.drafters.recent import RecentOptions
+from crest.drafters.recent import RecentIndex, RecentOptions
 from crest.drafting.hub import DraftHub, LearnOptions
 from crest.ingest.pipeline import ingest
 from crest.integrations.chain import ChainStream
@@ -44,6 +44,31 @@ def test_a_stream_goes_on_only_while_the_target_follows_it() -> None:
     assert stream.take(1, at=104) is None and stream.parts == {}
 
 
+def test_a_stream_from_one_earlier_text_reads_on_in_it_while_the_target_follows() -> None:
+    index = RecentIndex()
+    text = list(range(100, 160))
+    index.add(text)
+    index.add(list(range(200, 260)))  # the next document: never read into
+    tree, at = index.follow(text[:20], 8)  # a chain: text[20:28], then text goes on at position 28
+    assert tree is not None and tree.tokens.tolist() == text[20:28] and at == 28
+    stream = ChainStream()
+    stream.start(tree, {"recent": 8}, at=20, source=index, source_at=at)
+    stream.advance(20, text[20:27])  # 6 accepted and the bonus: one token left, fewer than the step wants
+    nxt = stream.take(4, at=27)
+    assert nxt is not None and nxt.tokens.tolist() == text[27:31]  # read on, as deep as it started: 8 tokens held
+    assert stream.chain.tokens.tolist() == text[27:35] and stream.parts == {"recent": 8}
+    assert path_probabilities(nxt).tolist() == [1.0] * 4  # as sure as the chain's last node
+    for at in (27, 32, 37, 42, 47, 52):  # 4 accepted and the bonus each step, reading on whenever 4 + 1 are not held
+        assert stream.take(4, at=at).tokens.tolist() == text[at : at + 4]  # type: ignore[union-attr]
+        stream.advance(at, text[at : at + 5])
+    assert stream.take(4, at=57) is None  # the text ends at 60: nothing of the next document
+    assert stream.take(3, at=57).tokens.tolist() == text[57:60]  # type: ignore[union-attr]
+    plain = ChainStream()  # without a source (a lookup's merged chain): no reading on
+    plain.start(tree, {"recent": 8}, at=20)
+    plain.advance(20, text[20:27])
+    assert plain.take(4, at=27) is None
+
+
 @pytest.fixture
 def hub(db_dsn: str, word_tokenizer_dir: Path, tmp_path: Path) -> Iterator[DraftHub]:
     corpus = tmp_path / "words.jsonl"
@@ -63,13 +88,13 @@ def test_rows_on_a_text_served_before_draft_it_from_memory_without_the_database(
     assert index is not None
     index.add(np.array(served))
     calls = {"n": 0}
-    lookup = index.draft
+    lookup = index.follow
 
-    def counted(*args: Any, **kwargs: Any) -> Draft | None:
+    def counted(*args: Any, **kwargs: Any) -> tuple[Draft | None, int]:
         calls["n"] += 1
         return lookup(*args, **kwargs)
 
-    index.draft = counted  # type: ignore[method-assign]
+    index.follow = counted  # type: ignore[method-assign]
     policy = DraftPolicy(budget=32, adaptive=False)
     rows = []
     for start in (0, 150):
@@ -88,7 +113,8 @@ def test_rows_on_a_text_served_before_draft_it_from_memory_without_the_database(
             row.tokens.extend(truth)
         steps += 1
     assert store.stats["lookups"] == before  # no row ever needed the database
-    assert calls["n"] <= len(rows) * steps / 2  # the stream drafted most steps: no lookup at all
+    # each row found the text once; its stream then read on in it, with no lookup at all, for 23 steps
+    assert calls["n"] == len(rows) and steps == 23
     assert all(r.parts == {"recent": r.accepted} and r.accepted == k * steps for r in rows)
 
 

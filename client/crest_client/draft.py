@@ -95,7 +95,26 @@ def path_probabilities(draft: Draft) -> np.ndarray:
     return draft.probabilities  # type: ignore[return-value]
 
 
+def chain_scale(draft: Draft) -> float | None:
+    """Return the number a chain's weights divide by to give its path probabilities, when they do (else None).
+
+    Along a chain whose weights are positive and never increase, the products of weight ratios telescope: each
+    node's path probability is its weight over the larger of the first weight and `draft.total`.
+    """
+    k = len(draft)
+    parents = draft.parents
+    if not k or int(parents[-1]) != k - 2 or parents.tolist() != list(range(-1, k - 1)):
+        return None
+    w = draft.weights.tolist()
+    if w[-1] <= 0 or any(b > a for a, b in zip(w, w[1:], strict=False)):
+        return None
+    return float(max(w[0], int(draft.total)))
+
+
 def _path_probabilities(draft: Draft) -> np.ndarray:
+    scale = chain_scale(draft)  # a chain (the proposer's usual draft): one division
+    if scale is not None:
+        return draft.weights / scale
     # Python floats, a node at a time (parents before children): for trees of tens of nodes a loop over lists
     # costs a few microseconds, where each numpy call on so small an array costs about one
     w = [max(0.0, float(x)) for x in draft.weights.tolist()]

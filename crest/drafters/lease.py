@@ -69,17 +69,30 @@ class RecentView:
 
     def __init__(self, index: Any) -> None:
         self.index = index
-        self._last: tuple[int, int, int, Draft | None] | None = None  # (context length, last token, nodes asked, tree)
+        # (context length, last token, nodes asked, tree, position after a chain's last node or -1)
+        self._last: tuple[int, int, int, Draft | None, int] | None = None
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         """Return the recent tier's tree for the context (the kept one when this context was just asked)."""
+        return self.follow(context_ids, max_nodes)[0]
+
+    def follow(self, context_ids: Sequence[int], max_nodes: int) -> tuple[Draft | None, int]:
+        """Return the recent tier's tree for the context and where a chain goes on in it (`RecentIndex.follow`)."""
         key = (len(context_ids), int(context_ids[-1]) if len(context_ids) else -1)
         last = self._last
         if last is not None and last[:2] == key and max_nodes <= last[2]:  # a prefix of a canonical tree is one
-            return _cut(last[3], max_nodes)
-        tree: Draft | None = self.index.draft(context_ids, max_nodes)
-        self._last = (*key, int(max_nodes), tree)
-        return tree
+            tree, at = last[3], last[4]
+            if tree is not None and max_nodes < len(tree):
+                return tree.truncate(max_nodes), (at - len(tree) + max_nodes if at >= 0 else -1)
+            return tree, at
+        tree, at = self.index.follow(context_ids, max_nodes)
+        self._last = (*key, int(max_nodes), tree, at)
+        return tree, at
+
+    def tokens_from(self, position: int, length: int) -> list[int]:
+        """Return up to `length` tokens of the shared tier from absolute `position` on (`RecentIndex.tokens_from`)."""
+        found: list[int] = self.index.tokens_from(position, length)
+        return found
 
 
 def _cut(draft: Draft | None, max_nodes: int) -> Draft | None:

@@ -112,6 +112,7 @@ class RecentIndex:
         self._base = 0  # absolute position of buffer[0]
         self._size = 0
         self._lock = threading.Lock()
+        self._folding = False  # a thread is folding the tails (under the lock: at most one at a time)
         self.documents = 0
 
     @property
@@ -143,18 +144,30 @@ class RecentIndex:
     def compact(self) -> None:
         """Fold the appended tails into the sorted blocks and evict what lies beyond the capacity."""
         with self._lock:
-            if any(level.folding for level in self._levels):
-                return  # another thread folds
+            if self._folding:
+                return  # another thread folds (its tails may have been empty: a flag, not the tails, says so)
+            self._folding = True
             cutoff = self._base + max(0, self._size - self.options.capacity)
             taken = [level.start_fold() for level in self._levels]
         merged = []
-        for sh, sp, th, tp in taken:  # the sort runs outside the lock: lookups and appends go on
-            h, p = np.concatenate([sh, th]), np.concatenate([sp, tp])
-            keep = p >= cutoff
-            h, p = h[keep], p[keep]
-            order = np.argsort(h, kind="stable")  # positions stay ascending within a hash: block, then tail
-            merged.append((h[order], p[order]))
+        try:
+            for sh, sp, th, tp in taken:  # the sort runs outside the lock: lookups and appends go on
+                h, p = np.concatenate([sh, th]), np.concatenate([sp, tp])
+                keep = p >= cutoff
+                h, p = h[keep], p[keep]
+                order = np.argsort(h, kind="stable")  # positions stay ascending within a hash: block, then tail
+                merged.append((h[order], p[order]))
+        except BaseException:
+            with self._lock:  # nothing folded: the set-aside tails go back in front of what came since
+                for level in self._levels:
+                    for key, held in level.tail.items():
+                        level.folding.setdefault(key, []).extend(held)
+                    level.tail, level.folding = level.folding, {}
+                    level.tail_n = sum(len(ps) for ps in level.tail.values())
+                self._folding = False
+            raise
         with self._lock:
+            self._folding = False
             for level, (h, p) in zip(self._levels, merged, strict=True):
                 level.sorted_h, level.sorted_p, level.folding = h, p, {}
             drop = cutoff - self._base
@@ -164,24 +177,40 @@ class RecentIndex:
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
         """Return the tree of what followed the deepest earlier matches of the context's suffix, or None."""
+        return self.follow(context_ids, max_nodes)[0]
+
+    def follow(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> tuple[Draft | None, int]:
+        """Return `draft`'s tree and, when it is one continuation, the absolute position of the token that follows
+        its last node in the index (`tokens_from` reads on from there), else -1."""
         opts = self.options
         if max_nodes <= 0 or len(context_ids) < opts.keys[0]:
-            return None
+            return None, -1
         tail = np.asarray(context_ids[-opts.max_depth :], dtype=np.int64).reshape(-1)
         with self._lock:
             if not self._size:
-                return None
+                return None, -1
             found = self._candidates(tail)
             if found is None:
-                return None
+                return None, -1
             depth, positions = found
             length = min(opts.max_continuation, depth + 2)
             at = positions[:, None] - self._base + 1 + np.arange(length)  # [M, L] buffer indexes
             rows = np.where(at < self._size, self._buffer[np.minimum(at, self._size - 1)], _SEP)
         if rows.shape[0] == 1 or (rows == rows[0]).all():  # one continuation (the usual case): a chain
-            return _chain(rows[0][:max_nodes], depth, weight=rows.shape[0])
+            chain = _chain(rows[0][:max_nodes], depth, weight=rows.shape[0])
+            return chain, (int(positions[0]) + 1 + len(chain) if chain is not None else -1)
         tree = build_draft(rows, tree_size=max_nodes, n=depth)
-        return tree if len(tree) else None
+        return (tree if len(tree) else None), -1
+
+    def tokens_from(self, position: int, length: int) -> list[int]:
+        """Return up to `length` tokens held from absolute `position` on, within their document (none once evicted)."""
+        with self._lock:
+            at = position - self._base
+            if at < 0 or at >= self._size or length <= 0:
+                return []
+            held = self._buffer[at : min(self._size, at + length)].tolist()
+        end = held.index(_SEP) if _SEP in held else len(held)
+        return held[:end]
 
     def _candidates(self, tail: np.ndarray) -> tuple[int, np.ndarray] | None:
         """Return the deepest match depth and the most recent positions (absolute, at most `matches`) matching it."""

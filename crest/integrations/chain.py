@@ -8,6 +8,8 @@ chain below a node is the node's own probability plus the best chain below one o
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from crest_client.draft import Draft, empty_draft, is_chain, path_probabilities
 
@@ -60,28 +62,43 @@ class ChainStream:
     chain's next one, the target is still on that path, so the rest is the next step's chain: its nodes' path
     probabilities are conditioned on the consumed prefix (the total becomes the last consumed node's weight).
     `parts` says how many leading tokens each part's tree held, for the per-part accepted counts.
+    A chain read from one earlier text (a deep match in the recent tier) also keeps where that text goes on: when
+    fewer tokens are left than a step wants, the stream reads on in that text (`follow`), as deep as it started.
+    The target followed every token so far, so the match is deeper than when it was found and earns the length.
     """
 
-    __slots__ = ("at", "chain", "parts")
+    __slots__ = ("at", "chain", "depth", "parts", "source", "source_at", "source_part")
 
     def __init__(self) -> None:
         self.chain = empty_draft()
         self.at = -1  # the context length the chain continues
         self.parts: dict[str, int] = {}
+        self.source: Any = None  # the text the chain was read from (`tokens_from(position, length)`), if one
+        self.source_at = -1  # the position in it of the token after the chain's last
+        self.source_part = ""  # the part the source's tokens count for
+        self.depth = 0  # tokens the stream tops itself up to from its source
 
-    def start(self, chain: Draft, parts: dict[str, int], *, at: int) -> None:
-        """Follow `chain`, drafted for a context of `at` tokens (its first tokens are handed out this step)."""
+    def start(
+        self, chain: Draft, parts: dict[str, int], *, at: int, source: Any = None, source_at: int = -1,
+        source_part: str = "recent",
+    ) -> None:  # fmt: skip
+        """Follow `chain`, drafted for a context of `at` tokens (its first tokens are handed out this step); with a
+        `source` (of part `source_part`), read on in it from `source_at` once the chain runs short."""
         self.chain, self.parts, self.at = chain, parts, at
+        self.source, self.source_at = (source, source_at) if source is not None and source_at >= 0 else (None, -1)
+        self.source_part = source_part
+        self.depth = len(chain)
 
     def clear(self) -> None:
         """Follow nothing (the target left the path)."""
-        self.chain, self.parts, self.at = empty_draft(), {}, -1
+        self.chain, self.parts, self.at, self.source, self.source_at = empty_draft(), {}, -1, None, -1
 
     def advance(self, at: int, new: list[int]) -> None:
         """Step past the step's new tokens (accepted, then bonus), appended to a context of `at` tokens, when they
         are the stream's next ones; else follow nothing."""
         chain, used = self.chain, len(new)
-        if at != self.at or not used or len(chain) <= used or chain.tokens[:used].tolist() != new:
+        held = len(chain) if self.source is None else len(chain) + 1  # a source reads on after the chain's end
+        if at != self.at or not used or held <= used or chain.tokens[:used].tolist() != new:
             self.clear()
             return
         total = int(chain.weights[used - 1])
@@ -92,7 +109,29 @@ class ChainStream:
 
     def take(self, room: int, *, at: int) -> Draft | None:
         """Return the stream's next chain of `room` tokens for a context of `at` tokens, or None when it holds fewer
-        or follows another context (a lookup drafts then)."""
-        if room <= 0 or at != self.at or len(self.chain) < room:
+        (after reading on in its source) or follows another context (a lookup drafts then)."""
+        if room <= 0 or at != self.at:
+            return None
+        if len(self.chain) <= room and self.source is not None:  # one more: the bonus token may follow it too
+            self._read_on(max(room + 1, self.depth) - len(self.chain))
+        if len(self.chain) < room:
             return None
         return self.chain.truncate(room)
+
+    def _read_on(self, want: int) -> None:
+        """Append up to `want` tokens of the source's text to the chain, each as sure as its last node."""
+        more = self.source.tokens_from(self.source_at, want)
+        if not more:
+            self.source, self.source_at = None, -1  # the text ended or was evicted
+            return
+        chain, k = self.chain, len(self.chain)
+        weight = int(chain.weights[-1]) if k else max(1, int(chain.total))
+        self.chain = Draft(
+            np.concatenate([chain.tokens, np.asarray(more, dtype=np.int64)]),
+            np.arange(-1, k + len(more) - 1, dtype=np.int32),
+            np.concatenate([chain.weights, np.full(len(more), weight, dtype=np.int64)]),
+            chain.n + len(more),
+            int(chain.total) or weight,
+        )
+        self.source_at += len(more)
+        self.parts[self.source_part] = self.parts.get(self.source_part, 0) + len(more)

@@ -6,7 +6,8 @@ Each step, every row that drafts gets its chain the cheapest way that is as good
    deep match goes on for dozens of tokens; nothing is looked up);
 2. else a deep match in the store's recent tier (what this process and its replicas served moments ago, in
    memory): a context whose last `DEEP_MATCH` tokens or more occurred before is drafting that text again, and
-   its continuation needs neither the database nor a merge;
+   its continuation needs neither the database nor a merge; while the target follows, the stream reads on in
+   that text, so a repeat costs one search per request, not one per chain;
 3. else the row's drafter: its parts looked up for all such rows at once (`prefetch_parts`: the store's tiers in
    one round trip, a dense part's neighbours in one search), merged with the recent tier and the prompt, and the
    best path of that tree (`best_chain`) -- unless the `LookupGate` says the row's lookups do not pay for the CPU
@@ -198,7 +199,7 @@ def _deep_recent(row: ProposerRow, room: int) -> Draft | None:
     if recent is None or len(row.tokens) < DEEP_MATCH:
         return None
     try:
-        tree = recent.draft(row.tokens, STREAM_DEPTH)
+        tree, source_at = recent.follow(row.tokens, STREAM_DEPTH)
     except Exception:  # the merged drafter's own call will say it (logged once there)
         return None
     if tree is None or tree.n < DEEP_MATCH:
@@ -206,5 +207,7 @@ def _deep_recent(row: ProposerRow, room: int) -> Draft | None:
     best = best_chain(tree, depth=STREAM_DEPTH)
     if len(best) < min(room, 2):
         return None
-    row.stream.start(best, {"recent": len(best)}, at=len(row.tokens))
+    # one earlier text's continuation: the stream reads on in it while the target follows
+    source = recent if source_at >= 0 and len(best) == len(tree) else None
+    row.stream.start(best, {"recent": len(best)}, at=len(row.tokens), source=source, source_at=source_at)
     return best.truncate(room)
