@@ -13,7 +13,7 @@ from unittest.mock import patch
 import numpy as np
 import psycopg
 import pytest
-from crest_client.draft import Draft
+from crest_client.draft import Draft, path_probabilities
 from crest_client.errors import CodecError, ConnectionUnavailable, InvalidName, StoreNotFound
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -216,7 +216,6 @@ def test_merge_drafts_repairs_weights_that_grow_downwards() -> None:
 
 
 def test_merged_estimates_keep_their_shares() -> None:
-    from crest_client.draft import path_probabilities
 
     tree = build_draft([[1, 2], [1, 3], [4]], tree_size=8, n=1)
     half = merge_drafts([tree], shares=[0.5], tree_size=8)  # a part trusted half as much predicts half
@@ -566,3 +565,52 @@ def test_one_part_in_any_order_merged_alone_is_what_the_whole_merge_gives(
         slow = merge.merge_drafts([None, shuffled], shares=[1.0, share], tree_size=cut)
     assert fast.tokens.tolist() == slow.tokens.tolist() and fast.parents.tolist() == slow.parents.tolist()
     assert fast.weights.tolist() == slow.weights.tolist() and (fast.n, fast.total) == (slow.n, slow.total)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(
+        st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=7), min_size=1, max_size=8), min_size=1, max_size=3
+    ),
+    shares=st.lists(st.sampled_from([1.0, 0.5, 0.05, 1.7]), min_size=3, max_size=3),
+    depth=st.integers(1, 8),
+)
+def test_the_merged_chain_is_as_good_as_the_best_path_of_the_whole_merged_tree(
+    parts: list[list[list[int]]], shares: list[float], depth: int
+) -> None:
+    """`merge_chain` finds the best path without building the merged tree: its expected accepted tokens (the sum of
+    its path probabilities, as the merged tree has them) are the best path's of the whole tree."""
+    from crest_client.merge import merge_chain
+
+    from crest.integrations.chain import best_chain
+
+    trees = []
+    for rows in parts:
+        width = max(len(r) for r in rows)
+        trees.append(build_draft(np.array([r + [-1] * (width - len(r)) for r in rows]), tree_size=64))
+    whole = merge_drafts(trees, shares=shares[: len(trees)], tree_size=10_000)
+    want = best_chain(whole, depth=depth)
+    got = merge_chain(trees, shares=shares[: len(trees)], depth=depth)
+    assert len(got) <= depth and got.parents.tolist() == list(range(-1, len(got) - 1))
+    assert float(path_probabilities(got).sum()) == pytest.approx(float(path_probabilities(want).sum()), rel=1e-9)
+    on_tree = {tuple(p) for p in whole.paths()}
+    assert tuple(got.tokens.tolist()) in on_tree  # a path of the merged tree, with its weights
+    where = {tuple(p): i for i, p in enumerate(whole.paths())}
+    assert got.weights.tolist()[-1] == int(whole.weights[where[tuple(got.tokens.tolist())]])
+
+
+def test_a_merged_drafter_hands_its_best_path_alone_when_asked_for_a_chain() -> None:
+    from crest.decoding.policy import DraftPolicy
+    from crest.integrations.chain import best_chain
+
+    stored = build_draft([[1, 2, 3, 4], [1, 2, 9, 9], [5, 6, 7, 8]], tree_size=32, n=3)
+    prompt = build_draft([[1, 2, 9, 9, 9]], tree_size=32, n=2)
+    policy = DraftPolicy(budget=32, adaptive=False)
+    drafter = MergedDrafter(Fixed(stored), Fixed(prompt))
+    chain = policy.draft(drafter, [0, 1, 2], room=8, chain=True)
+    tree = policy.draft(MergedDrafter(Fixed(stored), Fixed(prompt)), [0, 1, 2], room=8)
+    assert chain.tokens.tolist() == [1, 2, 9, 9, 9]  # both parts agree on 1 2 9 9: the prompt's goes on
+    assert chain.tokens.tolist() == best_chain(tree, depth=8).tokens.tolist()
+    assert path_probabilities(chain).tolist() == pytest.approx(path_probabilities(best_chain(tree, depth=8)).tolist())
+    assert policy.draft(drafter, [0, 1, 2], room=3, chain=True).tokens.tolist() == [1, 2, 9]
+    assert drafter.last_trees(3) is not None  # the parts' trees are kept for the per-part counts, as for a tree

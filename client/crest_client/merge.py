@@ -57,6 +57,62 @@ def merge_drafts(
         alone = _scaled(*given[0], tree_size=tree_size, scale=scale)
         if alone is not None:
             return alone
+    tokens, parents, mass, n = _trie(drafts, shares)
+    weights = [max(1, round(m * scale)) for m in mass]
+    return ordered(tokens, parents, weights, tree_size=tree_size, n=n, total=int(scale))
+
+
+def merge_chain(
+    drafts: Sequence[Draft | None],
+    *,
+    shares: Sequence[float] | None = None,
+    depth: int = 64,
+    scale: int = MERGE_SCALE,
+) -> Draft:
+    """Return the best path of at most `depth` nodes of `merge_drafts`' tree, without ordering or cutting the tree.
+
+    The best path has the most expected accepted tokens: the largest sum of its nodes' path probabilities, which
+    in the merged tree are their merged weights over one number (the weights never increase down a path), so the
+    path of the largest summed weight. The chain keeps the merged weights and, as its total, the merged root's
+    (the sum of its children's weights, or `scale`), so its path probabilities are the merged tree's.
+    """
+    shares = [1.0] * len(drafts) if shares is None else list(shares)
+    tokens, parents, mass, n = _trie(drafts, shares)
+    if not tokens or depth <= 0:
+        return Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), n, int(scale))
+    weights = [max(1, round(m * scale)) for m in mass]
+    level = [0] * len(tokens)  # depth of each node (parents come first)
+    for i, p in enumerate(parents):
+        level[i] = level[p] + 1 if p >= 0 else 1
+    best = [0] * len(tokens)  # summed weight of the best path of at most `depth` nodes from the node down
+    below = [-1] * len(tokens)
+    for i in range(len(tokens) - 1, -1, -1):  # children come after their parents: theirs are final here
+        if level[i] > depth:
+            continue
+        best[i] = weights[i] + (best[below[i]] if below[i] >= 0 else 0)
+        p = parents[i]
+        if p >= 0 and (below[p] < 0 or best[i] >= best[below[p]]):  # ties: the first child, as the order has it
+            below[p] = i
+    roots = [i for i, p in enumerate(parents) if p < 0]
+    path = [max(roots, key=best.__getitem__)]
+    while below[path[-1]] >= 0:
+        path.append(below[path[-1]])
+    total = max(int(scale), sum(weights[i] for i in roots))
+    return Draft(
+        np.array([tokens[i] for i in path], dtype=np.int64),
+        np.arange(-1, len(path) - 1, dtype=np.int32),
+        np.array([weights[i] for i in path], dtype=np.int64),
+        n,
+        total,
+    )
+
+
+def _trie(drafts: Sequence[Draft | None], shares: Sequence[float]) -> tuple[list[int], list[int], list[float], int]:
+    """Return the merged trie of the trees (tokens, parents, masses, longest match), parents before children.
+
+    A node's mass is the share-weighted sum of each tree's estimate for it: the tree's weight, made non-increasing
+    down the tree, over the summed weights of the tree's root children.
+    """
     slot: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     tokens: list[int] = []
     parents: list[int] = []
@@ -81,8 +137,7 @@ def merge_drafts(
         total = sum(w for w, p in zip(weight, draft.parents.tolist(), strict=True) if p < 0) or 1.0
         for i, j in enumerate(local):
             mass[j] += share * weight[i] / total
-    weights = [max(1, round(m * scale)) for m in mass]
-    return ordered(tokens, parents, weights, tree_size=tree_size, n=n, total=int(scale))
+    return tokens, parents, mass, n
 
 
 def _scaled(draft: Draft, share: float, *, tree_size: int, scale: int) -> Draft | None:

@@ -53,7 +53,7 @@ class PartScales:
     def scales(self) -> tuple[float, ...]:
         """Return each part's observed ratio of right to predicted nodes (1.0 before any evidence)."""
         ratios = ((r + 1.0) / (p + 1.0) for r, p in zip(self._right, self._predicted, strict=True))
-        return tuple(float(np.clip(x, MIN_SCALE, MAX_SCALE)) for x in ratios)
+        return tuple(min(MAX_SCALE, max(MIN_SCALE, x)) for x in ratios)  # Python floats: called every step
 
     def observe(self, context_ids: Sequence[int] | np.ndarray) -> None:
         """Score the last call's trees against the tokens appended since, when the context grew from it."""

@@ -121,12 +121,17 @@ class DraftPolicy:
             self._cost = prior if isinstance(prior, StepCost) else StepCost(prior)
         return self._cost
 
-    def draft(self, drafter: Any, context: Sequence[int], *, room: int) -> Draft:
-        """Return the drafter's tree for the context, cut to the budget and to depth `room` (empty on any failure)."""
+    def draft(self, drafter: Any, context: Sequence[int], *, room: int, chain: bool = False) -> Draft:
+        """Return the drafter's tree for the context, cut to the budget and to depth `room` (empty on any failure).
+
+        `chain`: the caller wants the tree's best path only; a drafter that finds it without building the whole
+        tree (`draft_chain`, a merged drafter) returns just that path.
+        """
         if drafter is None or room <= 0 or self.budget <= 0:
             return empty_draft()
         try:
-            tree = drafter.draft(context, self.budget)
+            direct = getattr(drafter, "draft_chain", None) if chain else None
+            tree = drafter.draft(context, self.budget) if direct is None else direct(context, self.budget, depth=room)
             if tree is None or len(tree) == 0:
                 return empty_draft()
             if self.vocab is not None:

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from crest_client.draft import Draft
+from crest_client.merge import merge_chain
 from crest_client.tiers import LEARN_DECAY, LEARN_WINDOW, MAX_SCALE, MIN_SCALE, PartScales, merge_parts
 
 from crest.decoding.drafter import Drafter, drafted_parts
@@ -44,13 +45,25 @@ class MergedDrafter:
 
     def draft(self, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         """Return the merged tree of both drafters' trees, or None when neither drafts."""
+        trees = self._parts(context_ids, max_nodes)
+        return merge_parts(trees, self.scales(), max_nodes=max_nodes, shares=(1.0, self.secondary_share))
+
+    def _parts(self, context_ids: Sequence[int], max_nodes: int) -> list[Draft | None]:
+        """Learn from the context, then return (and remember) both drafters' trees for it."""
         self._scales.observe(context_ids)
         trees = [
             self._part(0, self.primary, context_ids, max_nodes),
             self._part(1, self.secondary, context_ids, max_nodes),
         ]
         self._scales.remember(context_ids, trees)
-        return merge_parts(trees, self.scales(), max_nodes=max_nodes, shares=(1.0, self.secondary_share))
+        return trees
+
+    def draft_chain(self, context_ids: Sequence[int], max_nodes: int, *, depth: int) -> Draft | None:
+        """Return the best path of at most `depth` nodes of the tree `draft` merges (`merge_chain`), or None."""
+        trees = self._parts(context_ids, max_nodes)
+        a, b = self.scales()
+        chain = merge_chain(trees, shares=(a, b * self.secondary_share), depth=depth)
+        return chain if len(chain) else None
 
     def last_trees(self, context_length: int) -> list[Draft | None] | None:
         """Return each part's tree of the call for a context of this length (None when the last call was not it)."""

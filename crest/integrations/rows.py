@@ -183,7 +183,7 @@ def draft_chains(
     prefetch_parts([(r.leases, BatchRow(r.tokens, r.hidden)) for r in rows], max_nodes=policy.budget)
     for j in looked:
         row, room = live[j]
-        tree = policy.draft(row.drafter, row.tokens, room=STREAM_DEPTH)
+        tree = policy.draft(row.drafter, row.tokens, room=STREAM_DEPTH, chain=True)
         best = best_chain(tree, depth=STREAM_DEPTH)
         parts = drafted_parts(row.drafter, tree, context_length=len(row.tokens)) if len(best) else {}
         row.stream.start(best, chain_parts(parts, best), at=len(row.tokens))
