@@ -299,9 +299,36 @@ def test_step_cost_follows_observed_steps_and_shrinks_drafts() -> None:
         cost.observe(32, 4 * float(prior(32)))
     assert float(cost(4)) == pytest.approx(float(prior(4)), rel=1e-3)
     assert float(cost(32)) == pytest.approx(4 * float(prior(32)), rel=1e-2)
-    assert float(cost(1000)) == pytest.approx(4 * float(prior(1000)), rel=1e-2)  # beyond: the nearest ratio
     after = batch_draft_sizes([chain] * 4, cost, acceptance_scale=0.5)[0]
     assert before > 0 and after < before
+    # beyond the widest step observed, that step's cost: a step there is tried, observed and corrects it
+    assert float(cost(1000)) == pytest.approx(float(cost(32)), rel=1e-9)
+    wide = batch_draft_sizes([chain] * 16, cost, acceptance_scale=0.5)[0]
+    cost.observe(16 * (1 + wide), 8 * float(prior(16 * (1 + wide))))  # dearer than thought
+    assert float(cost(1000)) == pytest.approx(8 * float(prior(16 * (1 + wide))), rel=1e-9)
+    assert batch_draft_sizes([chain] * 16, cost, acceptance_scale=0.5)[0] < wide
+
+
+def test_a_policy_that_saw_only_narrow_steps_still_drafts_a_wide_batch_on_an_engine_where_width_is_free() -> None:
+    """A vLLM proposer that served one request at a time, then sees 16 (a GPU: 20 ms a step, however wide), with
+    chains it is sure of but an acceptance estimate at its floor: it drafts, since the wide step's cost is not known
+    to be dear (a CPU-shaped prior extrapolated from narrow steps said it was, and nothing was ever drafted again)."""
+    from crest.decoding.policy import DraftPolicy
+    from crest.integrations.vllm import PRIOR_COST
+
+    policy = DraftPolicy(budget=32, adaptive=True, cost=PRIOR_COST, packed=True)
+    policy.cost()  # the curve is made when first needed: from here on steps are observed
+    for _ in range(30):  # one row at a time: 1 + 24 slots or 1, 20 ms each
+        policy.observe_cost(25, 0.020)
+        policy.observe_cost(1, 0.020)
+        policy.observe(accepted=0, predicted=50.0)  # unseen text: little accepted
+    assert policy.acceptance_scale == pytest.approx(0.05)
+    chain = Draft(np.arange(24), np.arange(-1, 23, dtype=np.int32), np.full(24, 5), 20, 5)  # path probabilities 1
+    cut, _ = policy.size([chain] * 16)
+    assert all(len(c) == 24 for c in cut)
+    policy.observe_cost(16 * 25, 0.020 * 16)  # a CPU after all: the wide step cost 16x
+    cut, _ = policy.size([chain] * 16)
+    assert all(len(c) == 0 for c in cut)
 
 
 def test_run_loop_survives_a_failing_step_and_drains(monkeypatch: pytest.MonkeyPatch) -> None:

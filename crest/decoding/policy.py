@@ -47,6 +47,7 @@ class StepCost:
     def __init__(self, prior: CostModel, *, decay: float = 0.8) -> None:
         self.prior, self.decay = prior, decay
         self.ratio = np.full(self.BUCKETS, np.nan)  # [buckets] seconds observed / prior seconds, decayed
+        self.largest = 0  # the most slots a step observed had
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Record that a step of `tokens` slots (rows x width) took `seconds`."""
@@ -55,18 +56,28 @@ class StepCost:
             return
         b = min(self.BUCKETS - 1, int(tokens).bit_length() - 1)
         r = seconds / expected
+        self.largest = max(self.largest, int(tokens))
         old = self.ratio[b]
         self.ratio[b] = r if np.isnan(old) else self.decay * old + (1.0 - self.decay) * r
 
     def __call__(self, k: np.ndarray | int) -> np.ndarray:
-        """Return the estimated seconds of a step of `k` slots: the prior, scaled as observed nearby."""
+        """Return the estimated seconds of a step of `k` slots: the prior, scaled as observed nearby; beyond the
+        widest step observed, that step's cost.
+
+        Past what was observed the estimate is optimistic on purpose: a pessimistic one is never corrected (the
+        policy would never draft that wide), while a step drafted on an optimistic one is observed and corrects it.
+        A prior shaped by a CPU, where width costs, would otherwise keep a GPU's wide steps undrafted forever.
+        """
         k = np.asarray(k, dtype=np.float64)
         seen = ~np.isnan(self.ratio)
         if not seen.any():
             return self.prior(k)
         where = np.log2(np.maximum(k, 1.0))
         scale = np.interp(where, np.nonzero(seen)[0].astype(np.float64), self.ratio[seen])  # nearest beyond ends
-        return self.prior(k) * scale
+        cost = self.prior(k) * scale
+        widest = float(self.prior(self.largest)) * float(np.interp(np.log2(self.largest), np.nonzero(seen)[0],
+                                                                    self.ratio[seen]))  # fmt: skip
+        return np.where(k > self.largest, np.minimum(cost, widest), cost)
 
 
 CostSource = CostModel | StepCost | Callable[[], CostModel]
