@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
+from crest.bench.proposer_lines import ProposerTime, log_size, parse_proposer_line, wait_proposer_line
 from crest.bench.serve_figures import serve_figures
 from crest.bench.vllm_compare import PassRow, markdown, spread, standard_methods
 from crest.bench.vllm_workloads import (
@@ -62,13 +64,42 @@ def test_methods_and_exactness() -> None:
 
 def test_the_report_has_one_table_per_workload() -> None:
     figures = serve_figures([], mode="server", drafter="suffix", concurrency=8, wall=1.0)
+    own = ProposerTime(steps=40, p50_ms=0.81, p99_ms=2.5, row_ms=0.1, cpu_p50_ms=0.77)
     rows = [
         PassRow("suffix", "humaneval", "B", figures, 40.0, 30.0, 12, 2.5),
         PassRow("suffix", "fleet", "phase 1", figures, 0, 0, 3, 1.0, 4),
+        PassRow("crest+prompt-k16", "fleet", "phase 1", figures, 0, 0, 3, 1.0, 4, own),
     ]
     text = markdown(rows)
     assert text.startswith("**humaneval**") and "| suffix | B | 8 |" in text and "| 30 / 40 |" in text
     assert "| 12/0 |" in text and "| 3/4 |" in text and "**fleet**" in text
+    assert "| - | 12/0 |" in text and "| 0.81 / 2.50 (0.77) | 3/4 |" in text  # the proposer's own time: crest only
+
+
+def test_the_proposers_own_time_is_read_from_the_line_it_says_once_a_pass_stops(tmp_path: Path) -> None:
+    from crest.integrations._report import DraftReport
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO an earlier pass: " + _said(DraftReport(None, every=1e9), 2.0) + "\n", encoding="utf-8")
+    after = log_size(log)
+    assert wait_proposer_line(log, after=after, timeout=0.2) is None  # nothing said since
+    report = DraftReport(None, every=1e9)
+    with log.open("a", encoding="utf-8") as sink:
+        sink.write("INFO vLLM's own lines\n" + _said(report, 0.004) + "\n")
+    found = wait_proposer_line(log, after=after, timeout=5)
+    assert found == ProposerTime(steps=3, p50_ms=4.0, p99_ms=4.0, row_ms=2.0, cpu_p50_ms=1.0)
+    assert parse_proposer_line(log.read_text(encoding="utf-8")) == found  # the last line of a whole log
+    assert parse_proposer_line("no line here") is None
+
+
+def _said(report: Any, seconds: float) -> str:
+    """Return the line the proposer's report says after three steps of `seconds` each (two rows, a quarter CPU)."""
+    for _ in range(3):
+        report.verified(4, 2)
+        report.step(seconds=seconds, cpu=seconds / 4, rows=2)
+    line = report.say(force=True)
+    assert line is not None
+    return str(line)
 
 
 def test_the_chat_workload_asks_first_turns_and_its_store_leaves_them_out(tmp_path: Path) -> None:

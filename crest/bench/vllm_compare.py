@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,12 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crest.bench.proposer_lines import ProposerTime, log_size, wait_proposer_line
 from crest.bench.serve_figures import ServeFigures, Timed, serve_figures
-from crest.bench.server_process import free_port
+from crest.bench.vllm_server import VllmServer, counters
 from crest.bench.vllm_workloads import Request, fleet_schedule, same_texts, second_turns, self_corpus_lines
-from crest.errors import CrestError
 
-VLLM_START_TIMEOUT = 600.0  # seconds: vLLM's CPU start with -O0 under load
+QUIET = "86400"  # CREST_REPORT_INTERVAL of crest's servers: only the line said once a pass's steps stop
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,8 @@ def standard_methods(store: str | None) -> dict[str, Method]:
 
     def crest(k: int) -> Method:
         spec = {"method": "custom_class", "model": "crest.integrations.vllm.CrestProposer", "num_speculative_tokens": k}
-        env = {"CREST_DRAFTER": "crest+prompt", "CREST_LEARN": "1"} | ({"CREST_STORE": store} if store else {})
+        env = {"CREST_DRAFTER": "crest+prompt", "CREST_LEARN": "1", "CREST_REPORT_INTERVAL": QUIET}
+        env |= {"CREST_STORE": store} if store else {}
         return Method(f"crest+prompt-k{k}", spec, env)
 
     prompt_only = {
@@ -62,74 +62,9 @@ def standard_methods(store: str | None) -> dict[str, Method]:
     }
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     found = [Method("none"), Method("ngram", ngram), Method("suffix", {"method": "suffix"}), crest(8), crest(16)]
-    found.append(Method("prompt-k8", prompt_only, {"CREST_DRAFTER": "prompt", "CREST_LEARN": "0"}))
+    found.append(Method("prompt-k8", prompt_only, {"CREST_DRAFTER": "prompt", "CREST_LEARN": "0",
+                                                   "CREST_REPORT_INTERVAL": QUIET}))  # fmt: skip
     return {m.name: m for m in found}
-
-
-class VllmServer:
-    """vLLM's OpenAI server in a subprocess on a free port (optionally `taskset` to `cores`), waited for on /health."""
-
-    def __init__(
-        self, python: str, model_dir: str, method: Method, *, cores: str, log: Path, extra_env: dict[str, str]
-    ) -> None:
-        self.python, self.model_dir, self.method, self.cores, self.log = python, model_dir, method, cores, log
-        self.extra_env = extra_env
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        """Return the command line that starts this server."""
-        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
-        args += ["--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048", "-O0"]
-        args += ["--host", "127.0.0.1", "--port", str(self.port)]
-        if self.method.speculative is not None:
-            args += ["--speculative-config", json.dumps(self.method.speculative)]
-        return ["taskset", "-c", self.cores, *args]
-
-    def __enter__(self) -> VllmServer:
-        import httpx
-
-        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": self.cores}
-        env |= self.method.env | self.extra_env
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as handle:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + VLLM_START_TIMEOUT
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(1.0)
-        self.__exit__()
-        raise CrestError(f"vLLM ({self.method.name}) did not start: see {self.log}")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # vLLM's engine core is a child process of the server
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def counters(url: str) -> tuple[float, float]:
-    """Return vLLM's accepted and drafted speculative tokens so far (0, 0 without speculation)."""
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    sums = {"vllm:spec_decode_num_accepted_tokens_total": 0.0, "vllm:spec_decode_num_draft_tokens_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            sums[name] += float(line.rsplit(" ", 1)[1])
-    return sums["vllm:spec_decode_num_accepted_tokens_total"], sums["vllm:spec_decode_num_draft_tokens_total"]
 
 
 def send(url: str, request: Request, *, max_tokens: int) -> Timed:
@@ -171,15 +106,26 @@ class PassRow:
     same_as_none: int | None = None
     load: float = 0.0  # the 1-minute load average when the pass ended
     prompts: int = 0  # distinct prompts (a fleet serves each twice; exactness counts each prompt's first text)
+    proposer: ProposerTime | None = None  # crest's proposer's own time per step in the pass (a fleet: the slower)
+
+
+PassFound = tuple[ServeFigures, list[str | None], float, float, ProposerTime | None]
 
 
 def run_pass(
-    urls: Sequence[str], schedule: Sequence[Sequence[tuple[int, int]]], requests: Sequence[Request], *, max_tokens: int
-) -> tuple[ServeFigures, list[str | None], float, float]:
-    """Send each worker's (request, server) list in order, the workers at once; return figures, texts and drafts.
+    servers: Sequence[VllmServer],
+    schedule: Sequence[Sequence[tuple[int, int]]],
+    requests: Sequence[Request],
+    *,
+    max_tokens: int,
+) -> PassFound:
+    """Send each worker's (request, server) list in order, the workers at once; return figures, texts, drafts and,
+    for crest's servers, the proposer's own time per step in the pass (the slowest server's).
 
     M counts each request's target forwards as its tokens less the draft tokens vLLM accepted (over all servers).
     """
+    urls = [server.url for server in servers]
+    logs = [log_size(server.log) for server in servers]
     before = [counters(u) for u in urls]
     texts: list[str | None] = [None] * len(requests)
     done: list[Timed] = []
@@ -201,7 +147,11 @@ def run_pass(
     for d in done:
         d.forwards = max(1, round(d.tokens * (1.0 - share)))
     figures = serve_figures(done, mode="server", drafter="", concurrency=len(schedule), wall=wall)
-    return figures, texts, drafted, accepted
+    proposer = None
+    if servers[0].method.crest:  # the proposer says the pass's line once its steps stop
+        said = [wait_proposer_line(server.log, after=at) for server, at in zip(servers, logs, strict=True)]
+        proposer = max((t for t in said if t is not None), key=lambda t: t.p50_ms, default=None)
+    return figures, texts, drafted, accepted, proposer
 
 
 def spread(count: int, concurrency: int) -> list[list[tuple[int, int]]]:
@@ -239,12 +189,13 @@ class Run:
         self, method: Method, workload: str, label: str, found: Any, *, reference: list[str | None] | None = None
     ) -> list[str | None]:
         """Keep a pass's row (exactness against `none`'s texts of the pass, or `reference`) and return its texts."""
-        figures, texts, drafted, accepted = found
+        figures, texts, drafted, accepted, proposer = found
         figures.drafter = method.name
         if method.name == "none":
             self.reference[workload, label] = texts
         same = same_texts(texts, self.reference.get((workload, label), reference))
-        row = PassRow(method.name, workload, label, figures, drafted, accepted, same, os.getloadavg()[0], len(texts))
+        row = PassRow(method.name, workload, label, figures, drafted, accepted, same, os.getloadavg()[0], len(texts),
+                      proposer)  # fmt: skip
         self.rows.append(row)
         self.texts[f"{method.name}/{workload}/{label}"] = texts
         self.note(
@@ -279,17 +230,17 @@ def run_method(run: Run, method: Method, workloads: Workloads) -> None:
     run.forget(method)
     run.note(f"starting vLLM: {method.name}")
     with run.server(method) as server:
-        urls, c, n = [server.url], run.concurrency, run.max_tokens
+        servers, c, n = [server], run.concurrency, run.max_tokens
         send(server.url, Request(prompt="def warm_up():"), max_tokens=4)
         for name, requests in (("humaneval", workloads.humaneval), ("edit", workloads.edit)):
             if not requests:
                 continue
-            first = run.record(method, name, "A", run_pass(urls, spread(len(requests), 1), requests, max_tokens=n))
-            run.record(method, name, "B", run_pass(urls, spread(len(requests), c), requests, max_tokens=n))
+            first = run.record(method, name, "A", run_pass(servers, spread(len(requests), 1), requests, max_tokens=n))
+            run.record(method, name, "B", run_pass(servers, spread(len(requests), c), requests, max_tokens=n))
             if name == "edit":
                 answers = run.reference.get((name, "A"), first)
                 turns = second_turns(requests, answers)
-                run.record(method, name, "turn 2", run_pass(urls, spread(len(turns), c), turns, max_tokens=n))
+                run.record(method, name, "turn 2", run_pass(servers, spread(len(turns), c), turns, max_tokens=n))
 
 
 def run_chat(run: Run, method: Method, requests: Sequence[Request], store: str) -> None:
@@ -299,10 +250,12 @@ def run_chat(run: Run, method: Method, requests: Sequence[Request], store: str) 
     run.forget(method)
     run.note(f"starting vLLM for chat: {method.name}")
     with run.server(method, tag="-chat") as server:
-        urls, n = [server.url], run.max_tokens
+        servers, n = [server], run.max_tokens
         send(server.url, Request(messages=(("user", "Hi"),)), max_tokens=4)
-        run.record(method, "chat", "A", run_pass(urls, spread(len(requests), 1), requests, max_tokens=n))
-        run.record(method, "chat", "B", run_pass(urls, spread(len(requests), run.concurrency), requests, max_tokens=n))
+        run.record(method, "chat", "A", run_pass(servers, spread(len(requests), 1), requests, max_tokens=n))
+        run.record(
+            method, "chat", "B", run_pass(servers, spread(len(requests), run.concurrency), requests, max_tokens=n)
+        )
 
 
 def warmed_chat_store(
@@ -353,17 +306,17 @@ def run_fleet(run: Run, method: Method, requests: Sequence[Request]) -> None:
     with first, second:
         for server in (first, second):
             send(server.url, Request(prompt="def warm_up():"), max_tokens=4)
-        urls, n = [first.url, second.url], run.max_tokens
+        servers, n = [first, second], run.max_tokens
         plain = run.reference.get(("humaneval", "A"))  # the fleet sends the humaneval prompts: none's texts
-        found = run_pass(urls, fleet_schedule(half), requests[:half], max_tokens=n)
+        found = run_pass(servers, fleet_schedule(half), requests[:half], max_tokens=n)
         run.record(method, "fleet", "phase 1", found, reference=plain[:half] if plain else None)
         second.__exit__()
         run.note(f"restarting replica 1: {method.name}")
         restarted = run.server(method, cores="1", tag="-r1b")
         with restarted:
             send(restarted.url, Request(prompt="def warm_up():"), max_tokens=4)
-            urls = [first.url, restarted.url]
-            found = run_pass(urls, fleet_schedule(len(requests)), requests, max_tokens=n)
+            servers = [first, restarted]
+            found = run_pass(servers, fleet_schedule(len(requests)), requests, max_tokens=n)
             run.record(method, "fleet", "phase 2 (after restart)", found, reference=plain)
 
 
@@ -373,17 +326,19 @@ def markdown(rows: Sequence[PassRow]) -> str:
     for workload in dict.fromkeys(r.workload for r in rows):
         lines += [f"**{workload}**", ""]
         head = ["method", "pass", "c", "tokens/s", "M", "accepted / drafted", "TTFT p50 (ms)", "ITL p50 (ms)"]
-        head += ["same as none", "load"]
+        head += ["proposer ms/step p50 / p99 (CPU p50)", "same as none", "load"]
         lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for r in rows:
             if r.workload != workload:
                 continue
             f = r.figures
             same = "-" if r.same_as_none is None else f"{r.same_as_none}/{r.prompts or f.requests}"
+            t = r.proposer
+            own = "-" if t is None else f"{t.p50_ms:.2f} / {t.p99_ms:.2f} ({t.cpu_p50_ms:.2f})"
             lines.append(
                 f"| {r.method} | {r.label} | {f.concurrency} | {f.output_tokens_per_second:.1f} | "
                 f"{f.mean_accepted_length:.2f} | {r.accepted:.0f} / {r.drafted:.0f} | {f.ttft_ms_p50:.0f} | "
-                f"{f.itl_ms_p50:.1f} | {same} | {r.load:.1f} |"
+                f"{f.itl_ms_p50:.1f} | {own} | {same} | {r.load:.1f} |"
             )
         lines.append("")
     return "\n".join(lines)
