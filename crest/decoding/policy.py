@@ -69,15 +69,14 @@ class StepCost:
         A prior shaped by a CPU, where width costs, would otherwise keep a GPU's wide steps undrafted forever.
         """
         k = np.asarray(k, dtype=np.float64)
-        seen = ~np.isnan(self.ratio)
-        if not seen.any():
+        seen = np.flatnonzero(~np.isnan(self.ratio))
+        if not seen.shape[0]:
             return self.prior(k)
-        where = np.log2(np.maximum(k, 1.0))
-        scale = np.interp(where, np.nonzero(seen)[0].astype(np.float64), self.ratio[seen])  # nearest beyond ends
-        cost = self.prior(k) * scale
-        widest = float(self.prior(self.largest)) * float(np.interp(np.log2(self.largest), np.nonzero(seen)[0],
-                                                                    self.ratio[seen]))  # fmt: skip
-        return np.where(k > self.largest, np.minimum(cost, widest), cost)
+        ratios = self.ratio[seen]
+        sizes = np.append(k, float(self.largest))  # [n + 1]: the widest step observed last (one call of the prior)
+        scale = np.interp(np.log2(np.maximum(sizes, 1.0)), seen, ratios)  # nearest beyond the ends
+        cost = self.prior(sizes) * scale
+        return np.where(k > self.largest, np.minimum(cost[:-1], cost[-1]), cost[:-1]).reshape(k.shape)
 
 
 CostSource = CostModel | StepCost | Callable[[], CostModel]
