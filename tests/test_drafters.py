@@ -599,6 +599,36 @@ def test_the_merged_chain_is_as_good_as_the_best_path_of_the_whole_merged_tree(
     assert got.weights.tolist()[-1] == int(whole.weights[where[tuple(got.tokens.tolist())]])
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=7), min_size=1, max_size=8),
+    share=st.sampled_from([1.0, 0.5, 0.05, 1.7]),
+    depth=st.integers(1, 8),
+    heavy_child=st.booleans(),
+    twin=st.booleans(),
+)
+def test_a_chain_from_one_part_equals_the_merged_tries(
+    rows: list[list[int]], share: float, depth: int, heavy_child: bool, twin: bool
+) -> None:
+    """One part drafted (the usual row): `merge_chain` skips the trie and gives the chain the trie would, bit for
+    bit, also when a child outweighs its parent or two siblings share a token (then it builds the trie)."""
+    from crest_client import merge
+
+    width = max(len(r) for r in rows)
+    tree = build_draft(np.array([r + [-1] * (width - len(r)) for r in rows]), tree_size=64, n=3)
+    weights, tokens, parents = tree.weights.copy(), tree.tokens.copy(), tree.parents.copy()
+    if heavy_child and len(tree) > 1:
+        weights[-1] = weights[0] * 3  # the merge clamps it to its parent's
+    if twin and len(tree) > 1 and parents[-1] == parents[-2]:
+        tokens[-1] = tokens[-2]  # two siblings with one token: one node in the trie
+    tree = Draft(tokens, parents, weights, tree.n)
+    got = merge.merge_chain([tree, None], shares=[share, 1.0], depth=depth)
+    with patch.object(merge, "_alone", lambda *a, **k: None):
+        want = merge.merge_chain([tree, None], shares=[share, 1.0], depth=depth)
+    assert got.tokens.tolist() == want.tokens.tolist() and got.weights.tolist() == want.weights.tolist()
+    assert (got.n, got.total) == (want.n, want.total)
+
+
 def test_a_merged_drafter_hands_its_best_path_alone_when_asked_for_a_chain() -> None:
     from crest.decoding.policy import DraftPolicy
     from crest.integrations.chain import best_chain

@@ -77,7 +77,9 @@ def merge_chain(
     (the sum of its children's weights, or `scale`), so its path probabilities are the merged tree's.
     """
     shares = [1.0] * len(drafts) if shares is None else list(shares)
-    tokens, parents, mass, n = _trie(drafts, shares)
+    given = [(d, share) for d, share in zip(drafts, shares, strict=True) if d is not None and len(d)]
+    alone = _alone(*given[0]) if len(given) == 1 else None  # the usual row: one part drafted
+    tokens, parents, mass, n = alone if alone is not None else _trie(drafts, shares)
     if not tokens or depth <= 0:
         return Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), n, int(scale))
     weights = [max(1, round(m * scale)) for m in mass]
@@ -138,6 +140,22 @@ def _trie(drafts: Sequence[Draft | None], shares: Sequence[float]) -> tuple[list
         for i, j in enumerate(local):
             mass[j] += share * weight[i] / total
     return tokens, parents, mass, n
+
+
+def _alone(draft: Draft, share: float) -> tuple[list[int], list[int], list[float], int] | None:
+    """Return `_trie([draft], [share])` without its dict, or None when that could differ (two siblings share a token).
+
+    Alone, a tree whose siblings all differ is its own trie, node for node: only the masses are computed.
+    """
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    if len(set(zip(parents, tokens, strict=True))) != len(tokens):
+        return None
+    weight = draft.weights.astype(np.float64).tolist()
+    for i, parent in enumerate(parents):  # non-increasing down the tree, as `_trie` makes them
+        if parent >= 0 and weight[i] > weight[parent]:
+            weight[i] = weight[parent]
+    total = sum(w for w, p in zip(weight, parents, strict=True) if p < 0) or 1.0
+    return tokens, parents, [0.0 + share * w / total for w in weight], draft.n
 
 
 def _scaled(draft: Draft, share: float, *, tree_size: int, scale: int) -> Draft | None:
