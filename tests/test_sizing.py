@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from crest_client.draft import Draft
 
 from crest.decoding.generator import SpeculativeGenerator
@@ -31,6 +33,35 @@ def test_path_probabilities_are_weight_ratio_products() -> None:
     np.testing.assert_allclose(path_probabilities(replace(draft, total=16)), [0.375, 0.125, 0.1875, 0.1875, 0.125])
     np.testing.assert_allclose(path_probabilities(replace(draft, total=4)), [0.75, 0.25, 0.375, 0.375, 0.25])
     np.testing.assert_allclose(path_probabilities(replace(draft, total=16).truncate(3)), [0.375, 0.125, 0.1875])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parents=st.lists(st.integers(-1, 30), min_size=1, max_size=24),
+    weights=st.lists(st.integers(0, 50), min_size=24, max_size=24),
+    depth=st.integers(0, 6),
+    total=st.sampled_from([0, 7, 1000]),
+    cached=st.booleans(),
+    chain=st.booleans(),
+)
+def test_shallow_probabilities_are_the_path_probabilities_within_the_depth(
+    parents: list[int], weights: list[int], depth: int, total: int, cached: bool, chain: bool
+) -> None:
+    """`shallow_probabilities` gives every node within `depth` of the root its path probability, bit for bit (a tree
+    or a chain, cached or not), and the deeper ones 0.0."""
+    from crest_client.draft import chain_scale, path_probabilities, shallow_probabilities
+
+    up = [min(p, i - 1) for i, p in enumerate(parents)]  # parents before children
+    w = weights[: len(up)]
+    if chain:  # a falling chain: the one-division rule
+        up, w = list(range(-1, len(up) - 1)), sorted((x + 1 for x in w), reverse=True)
+    draft = Draft(np.arange(len(up)), np.array(up, dtype=np.int32), np.array(w), 0, total)
+    assert not chain or chain_scale(draft) is not None
+    fresh = Draft(draft.tokens, draft.parents, draft.weights, 0, total)
+    want = path_probabilities(draft).tolist()
+    got = shallow_probabilities(draft if cached else fresh, depth)
+    for p, w, d in zip(got, want, draft.depths().tolist(), strict=True):
+        assert p == (w if d <= depth else 0.0)
 
 
 @pytest.mark.parametrize(

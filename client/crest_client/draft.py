@@ -111,22 +111,50 @@ def chain_scale(draft: Draft) -> float | None:
     return float(max(w[0], int(draft.total)))
 
 
+def shallow_probabilities(draft: Draft, depth: int) -> list[float]:
+    """Return `path_probabilities` as a list, computing only the nodes within `depth` of the root (deeper: 0.0)."""
+    if draft.probabilities is not None:
+        return [p if d <= depth else 0.0 for p, d in zip(draft.probabilities.tolist(), _depths(draft), strict=True)]
+    return _probabilities(draft, depth)
+
+
+def _depths(draft: Draft) -> list[int]:
+    depth: list[int] = []
+    for p in draft.parents.tolist():
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
 def _path_probabilities(draft: Draft) -> np.ndarray:
     scale = chain_scale(draft)  # a chain (the proposer's usual draft): one division
     if scale is not None:
         return draft.weights / scale
+    return np.asarray(_probabilities(draft, len(draft)), dtype=np.float64)
+
+
+def _probabilities(draft: Draft, depth: int) -> list[float]:
+    """Return the path probabilities of the nodes within `depth` of the root, 0.0 for the deeper ones."""
+    if depth <= 0:
+        return [0.0] * len(draft)
+    scale = chain_scale(draft)
+    if scale is not None:  # a chain's node i is at depth i + 1
+        return [x / scale if i < depth else 0.0 for i, x in enumerate(draft.weights.tolist())]
     # Python floats, a node at a time (parents before children): for trees of tens of nodes a loop over lists
     # costs a few microseconds, where each numpy call on so small an array costs about one
     w = [max(0.0, float(x)) for x in draft.weights.tolist()]
     parents = draft.parents.tolist()
     total = max(sum(x for x, p in zip(w, parents, strict=True) if p < 0), float(draft.total)) or 1.0
     prob = [0.0] * len(w)
+    level = [0] * len(w)
     for i, p in enumerate(parents):
         if p < 0:
-            prob[i] = w[i] / total
-        else:
+            prob[i], level[i] = w[i] / total, 1
+        elif level[p] < depth:  # a child of a node above `depth`: within it
             prob[i] = prob[p] * (min(1.0, w[i] / w[p]) if w[p] > 0 else 0.0)
-    return np.asarray(prob, dtype=np.float64)
+            level[i] = level[p] + 1
+        else:
+            level[i] = depth + 1  # below `depth`: left at 0.0, and so are its children
+    return prob
 
 
 def is_chain(draft: Draft) -> bool:

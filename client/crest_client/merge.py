@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from crest_client.draft import Draft, path_probabilities
+from crest_client.draft import Draft, shallow_probabilities
 from crest_client.order import order_small
 
 MERGE_SCALE = 1 << 20  # integer weight of a node every continuation of one tree passes through
@@ -205,7 +205,8 @@ def match_path(draft: Draft, tokens: Sequence[int]) -> list[int]:
 def score_draft(draft: Draft, tokens: Sequence[int]) -> tuple[int, float]:
     """Return (nodes on the path spelled by `tokens`, predicted accepted nodes at depths <= len(tokens))."""
     # one pass over Python lists (parents before children): `match_path`'s walk and the depths' probabilities
-    prob, known = path_probabilities(draft).tolist(), len(tokens)
+    known = len(tokens)
+    prob = shallow_probabilities(draft, known)  # only the nodes within `known` of the root count
     ids, parents = draft.tokens.tolist(), draft.parents.tolist()
     depth = [0] * len(ids)
     ok = [False] * len(ids)
