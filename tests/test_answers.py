@@ -37,6 +37,8 @@ def test_answers_are_written_as_prompt_and_response_per_document(loaded: Any, tm
     starts = [[p for p in PROMPTS if t.startswith(p + " ")] for t in texts]  # written shortest prompt first
     assert sorted(s[0] for s in starts if len(s) == 1) == sorted(PROMPTS)
     assert all(len(t.split()) > len(s[0].split()) for t, s in zip(texts, starts, strict=True))  # with a response
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(line["text"].startswith(line["prompt"]) and line["prompt"] in PROMPTS for line in lines)
     with pytest.raises(ConfigError, match="no prompt"):
         write_answers(loaded, ["w1 " * 30], out, max_prompt_tokens=20)
 

@@ -3,13 +3,12 @@ new process warmed from the learned log."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import pytest
 
-from crest.bench.proposer import assistant_header, chat_requests, chat_texts, run_passes, run_suffix
+from crest.bench.proposer import run_passes, run_suffix
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
 
@@ -33,29 +32,6 @@ def test_the_second_pass_drafts_whole_answers_from_the_recent_tier_only(
     # a new process knows what the last one served: its recent tier is warmed from the learned log
     assert replica.row()["M"] > 3.0, replica.row()
     assert all(f.step_ms and min(f.step_ms) > 0 for f in figures.values())
-
-
-def test_chat_requests_split_each_text_after_its_last_assistant_header(tmp_path: Path) -> None:
-    header = "<|im_start|>assistant\n"
-    texts = [f"<|im_start|>user\nhi<|im_end|>\n{header}hello there<|im_end|>", "no header here", f"q\n{header}"]
-    corpus = tmp_path / "self.jsonl.gz"
-    with gzip.open(corpus, "wt", encoding="utf-8") as sink:
-        sink.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    encode = lambda text: [ord(c) for c in text]  # noqa: E731
-    found = chat_requests(chat_texts(str(corpus)), encode, header, limit=5, output_tokens=5)
-    assert found == [(encode(f"<|im_start|>user\nhi<|im_end|>\n{header}"), encode("hello"))]  # none without an answer
-    assert chat_requests(texts * 3, encode, header, limit=2, output_tokens=64)[1][1] == encode("hello there<|im_end|>")
-
-
-def test_the_assistant_header_is_what_the_template_adds_for_the_answer() -> None:
-    class Template:
-        def apply_chat_template(
-            self, turns: list[dict[str, str]], *, add_generation_prompt: bool, tokenize: bool
-        ) -> str:
-            text = "".join(f"<{t['role']}>{t['content']}</>" for t in turns)
-            return text + ("<assistant>" if add_generation_prompt else "")
-
-    assert assistant_header(Template()) == "<assistant>"
 
 
 def test_vllm_suffix_drafts_a_request_it_served_whole_through_the_same_runner() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from crest_client.draft import Draft
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from crest_client.draft import Draft
 
 from crest.decoding.generator import SpeculativeGenerator
 from tests.fix_models import IdTokenizer, tiny_model

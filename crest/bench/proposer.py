@@ -6,16 +6,13 @@ measured is the proposer alone: M (new tokens per row and target forward) and th
 p50 and p99, as its INFO line says them. Two passes over the same requests, as in the `suffix` comparison of
 docs/vllm.md: first sight one at a time, then again `concurrency` at a time, with the recent tier on and off (the
 store's learned rows forgotten before each), so the recent tier's share is the difference. Chat requests
-(`chat_requests`) follow chat-templated texts, such as a self corpus's: the prompt through the assistant's header,
-the output the answer.
+follow chat-templated texts, such as a self corpus's: the prompt through the assistant's header, the output the
+answer (`crest.bench.proposer_requests` reads every kind of request).
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import time
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -59,45 +56,6 @@ class PassFigures:
             "CPU ms/step p50": round(float(np.percentile(self.cpu_ms or [0.0], 50)), 3),
             f"tokens/s at {self.forward * 1e3:g} ms a forward": round(self.tokens_per_second(), 1),
         }
-
-
-def assistant_header(tokenizer: Any) -> str:
-    """Return the text a chat template puts before the assistant's answer (`<|im_start|>assistant\n` for SmolLM2)."""
-    turn = [{"role": "user", "content": "?"}]
-    asked = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
-    plain = tokenizer.apply_chat_template(turn, add_generation_prompt=False, tokenize=False)
-    if not asked.startswith(plain) or asked == plain:
-        raise ValueError("the chat template puts no header before the answer")
-    return str(asked[len(plain) :])
-
-
-def chat_texts(path: str) -> Iterator[str]:
-    """Yield the `text` of each line of a JSONL file, gzipped or not (a self corpus: `crest answer --chat`)."""
-    with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield str(json.loads(line).get("text", ""))
-
-
-def chat_requests(
-    texts: Iterable[str], encode: Callable[[str], list[int]], header: str, *, limit: int, output_tokens: int
-) -> list[tuple[list[int], list[int]]]:
-    """Return up to `limit` (prompt, output) token lists of one-answer chat texts, split after the last `header`.
-
-    The prompt is tokenized as the server reads it (the templated turns through the header), the answer as the
-    model wrote it (its first `output_tokens` tokens); texts without the header or with an empty answer are skipped.
-    """
-    found = []
-    for text in texts:
-        prompt, sep, answer = text.rpartition(header)
-        if not sep:
-            continue
-        output = encode(answer)[:output_tokens]
-        if output:
-            found.append((encode(prompt + sep), output))
-        if len(found) == limit:
-            break
-    return found
 
 
 class StandInClock:

@@ -18,7 +18,9 @@ def bench_proposer_cmd(
         str | None,
         typer.Option(
             help="Files (a glob) whose texts the requests follow (default: the standard library's "
-            "subpackage modules, held out from the set-up's store of its top-level modules)."
+            "subpackage modules, held out from the set-up's store of its top-level modules), or a JSONL file "
+            '(gzipped or not) of crest answer\'s {"text": prompt + answer, "prompt": prompt} lines: each request '
+            "reads the prompt and follows the answer (--prompt-tokens is not used)."
         ),
     ] = None,
     chat: Annotated[
@@ -58,33 +60,14 @@ def bench_proposer_cmd(
 
     Forgets what the store learned (its learned rows and live tier) before each configuration. Prints JSON rows.
     """
-    import glob
-    import sysconfig
-
-    from crest.bench.proposer import assistant_header, chat_requests, chat_texts, run_passes, run_suffix
+    from crest.bench.proposer import run_passes, run_suffix
+    from crest.bench.proposer_requests import load_requests
     from crest.decoding.tokenizer import load_tokenizer
 
-    pattern = inputs or sysconfig.get_path("stdlib") + "/*/*.py"
-    encode = load_tokenizer(tokenizer).hf
-    need = prompt_tokens + output_tokens
-    requests: list[tuple[list[int], list[int]]] = []
-    if chat:
-        if inputs is None:
-            raise typer.BadParameter("--chat needs --inputs FILE.jsonl (chat-templated texts)", param_hint="--inputs")
-        header = assistant_header(encode)
-        requests = chat_requests(chat_texts(inputs), lambda text: [int(t) for t in encode.encode(
-            text, add_special_tokens=False)], header, limit=limit, output_tokens=output_tokens)  # fmt: skip
-    for path in [] if chat else sorted(glob.glob(pattern)):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            ids = [int(t) for t in encode.encode(f.read(), add_special_tokens=False)[:need]]
-        if len(ids) == need:
-            requests.append((ids[:prompt_tokens], ids[prompt_tokens:]))
-        if len(requests) == limit:
-            break
-    if not requests:
-        raise typer.BadParameter(f"no file of {pattern!r} holds {need} tokens", param_hint="--inputs")
     if forward_ms < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--forward-ms")
+    requests = load_requests(inputs, load_tokenizer(tokenizer).hf, chat=chat, limit=limit,
+                             prompt_tokens=prompt_tokens, output_tokens=output_tokens)  # fmt: skip
     found = run_passes(store, requests, dsn=dsn, k=k, concurrency=concurrency, forward=forward_ms / 1e3)
     found += run_suffix(requests, concurrency=concurrency, forward=forward_ms / 1e3) if suffix else []
     for figures in found:

@@ -82,11 +82,12 @@ def write_answers(
     generate: Generate | None = None,
     note: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Write one `{"text": prompt + greedy response}` (or response only) line per prompt to `out`; return figures.
+    """Write one `{"text": prompt + greedy response, "prompt": prompt}` line per prompt to `out`; return figures.
 
-    Lines go to `out` + `.partial` as each batch finishes, renamed to `out` once every prompt is answered: a run
-    stopped early keeps its answers there, and `out` is never half written. `generate` yields the responses
-    (default: `responses` with `max_new_tokens` and `batch`; `crest.integrations.vllm_answers` has vLLM's).
+    With `answers_only` a line is `{"text": response}`. Lines go to `out` + `.partial` as each batch finishes,
+    renamed to `out` once every prompt is answered: a run stopped early keeps its answers there, and `out` is never
+    half written. `generate` yields the responses (default: `responses` with `max_new_tokens` and `batch`;
+    `crest.integrations.vllm_answers` has vLLM's).
     """
     encoded = [loaded.encode_prompt(p, chat=chat) for p in prompts]
     kept = [ids for ids in encoded if 0 < len(ids) <= max_prompt_tokens]  # long prompts would dominate the batch
@@ -100,10 +101,11 @@ def write_answers(
         for done in made:
             for i, response in done:
                 if answers_only:  # what the model writes, without its end-of-sequence token
-                    text = loaded.tokenizer.decode(response, skip_special_tokens=True)
-                else:
-                    text = loaded.tokenizer.decode(kept[i] + response, skip_special_tokens=False)
-                sink.write((json.dumps({"text": text}, ensure_ascii=False) + "\n").encode())
+                    line = {"text": loaded.tokenizer.decode(response, skip_special_tokens=True)}
+                else:  # the prompt as the model read it too, where the answer starts (`crest bench proposer`)
+                    line = {"text": loaded.tokenizer.decode(kept[i] + response, skip_special_tokens=False),
+                            "prompt": loaded.tokenizer.decode(kept[i], skip_special_tokens=False)}  # fmt: skip
+                sink.write((json.dumps(line, ensure_ascii=False) + "\n").encode())
                 written, new = written + 1, new + len(response)
             sink.flush()
             note(f"responses {written}/{len(kept)}, {new:,} tokens, {time.perf_counter() - started:.0f} s")
