@@ -8,11 +8,11 @@ ingest needs no more), or with the `expected` rule on an older store every store
 `crest_client.choice` picks. A context none of whose suffixes passes the filter costs no round trip. Tree blobs are
 decoded into `Draft`s with the version's token table. The handle re-reads which versions are published every
 `refresh_interval` seconds and whenever its partition is gone, so readers move to a new version once it is
-published, and never see a mix of two. Results are kept in a bounded LRU cache per tier, keyed by the last max-n
-tokens. Connections come from a psycopg pool (`crest_client._connections`): one `Store` is safe to share between
-threads, and in a child made by `os.fork()` it has connections, locks and threads of its own (`crest_client._fork`).
-Failures of the database (down, slow, restarting) and corrupt rows make a lookup return None: generation goes on.
-"""
+published, and never see a mix of two. Results are kept in bounded LRU caches per tier, by the last max-n tokens
+and by key (`crest_client._cache`: a new context whose longest stored suffix is known takes no round trip).
+Connections come from a psycopg pool (`crest_client._connections`): one `Store` is safe to share between threads,
+and in a child made by `os.fork()` it has connections, locks and threads of its own (`crest_client._fork`). Failures
+of the database (down, slow, restarting) and corrupt rows make a lookup return None: generation goes on."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from crest_client._batch_lookup import fetch_drafts
+from crest_client._batch_lookup import fetch_drafts, fetches_every
 from crest_client._cache import TierCaches
 from crest_client._connections import (
     ENV_LOOKUP_SPIN,
@@ -88,7 +88,6 @@ class Store:
         self._fingerprint = tokenizer_fingerprint
         self._lock = threading.Lock()
         self._caches = TierCaches(cache_size, self._lock)
-        self._cache = self._caches.tiers[0]  # the static tier's, by tail
         self._timeout = float(timeout)
         self._refresh_interval = float(refresh_interval)
         self._checked = time.monotonic()
@@ -226,7 +225,8 @@ class Store:
             max_n = self.info.max_n  # a version switched to may hold longer n-grams
             tails = [tuple(map(int, ctx[-max_n:])) for ctx in contexts]
             infos = [self.info] + ([self.live] if live and self.live is not None else [])
-            missing = self._caches.fill(len(infos), tails, out, max_nodes)
+            keyed = [None if fetches_every(info, self.rule) else info for info in infos]  # longest suffix: by key
+            missing = self._caches.fill(len(infos), tails, out, max_nodes, keyed=keyed)
             if attempt == 0:
                 self.stats["hits"] += len(contexts) - len(missing[0])
             if not answered:  # the version check just waited its timeout in vain: cached drafts only this call
@@ -243,7 +243,7 @@ class Store:
                 self._note_failure(exc)
                 return out
             current = [info is (self.info, self.live)[part] for part, info in enumerate(infos)]
-            self._caches.remember(current, missing, tails, found)
+            self._caches.remember(current, missing, tails, found, keyed=keyed)
             for (part, i), draft in found.items():
                 out[i][part] = draft.truncate(max_nodes) if draft is not None else None
             return out
