@@ -155,6 +155,22 @@ def test_prompt_lookup_takes_most_recent_matches_of_the_longest_suffix() -> None
         PromptDrafter(min_ngram=3, max_ngram=2)
 
 
+def test_prompt_lookup_says_where_its_text_goes_on_after_a_chain_copied_after_its_deepest_match() -> None:
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    context = [1, 2, *text, 3, *text[:4]]  # the text again: its first 4 tokens match (max_ngram 4)
+    drafter = PromptDrafter(max_ngram=4, min_ngram=2, max_matches=2, continuation_length=3)
+    draft = drafter.draft(context, 64)
+    assert draft is not None and draft.n == 4 and draft.paths()[-1] == [14, 15, 16]
+    assert drafter.source_at([14, 15, 16], context_length=len(context)) == 9  # where 17 is, in the earlier text
+    assert drafter.source_at([14, 15], context_length=len(context)) == 8
+    assert drafter.source_at([14, 99], context_length=len(context)) == -1  # not what the text holds
+    assert drafter.source_at([14, 15, 16], context_length=len(context) + 1) == -1  # not the last draft's context
+    assert MergedDrafter(Fixed(None), drafter).source_at([14, 15, 16], context_length=len(context)) == 9
+    shallow = PromptDrafter(max_ngram=8, min_ngram=2, max_matches=2, continuation_length=3)
+    assert shallow.draft(context, 64) is not None  # a 4-token match, short of its deepest length (8)
+    assert shallow.source_at([14, 15, 16], context_length=len(context)) == -1
+
+
 class Fixed:
     """A drafter that always proposes the same tree (or raises)."""
 

@@ -15,6 +15,7 @@ from crest_client.draft import Draft, path_probabilities
 
 from crest.config import IngestOptions
 from crest.decoding.policy import DraftPolicy
+from crest.drafters.prompt import PromptDrafter
 from crest.drafters.recent import RecentIndex, RecentOptions
 from crest.drafting.hub import DraftHub, LearnOptions
 from crest.ingest.pipeline import ingest
@@ -135,6 +136,38 @@ def test_a_row_off_every_stream_looks_up_its_store_once_per_step(hub: DraftHub) 
         row.verified(nxt)
         row.stream.advance(at, nxt)
         row.tokens.extend(nxt)
+
+
+def test_a_row_copying_its_own_text_reads_on_in_it_after_one_lookup() -> None:
+    """A chain the prompt part copied after a match of its deepest length reads on in the row's own text while
+    the target follows it: one lookup for the whole copy, as `suffix` drafts a copied prompt."""
+    rng = np.random.default_rng(5)
+    text = [int(t) for t in rng.integers(2, 200, size=120)]  # a passage the answer copies, and nothing repeats
+    prompt = [*text, 1, *text[:8]]  # the answer has begun the copy: an 8-token match
+    drafter = PromptDrafter(max_ngram=8, continuation_length=10)
+    calls = {"n": 0}
+    draft = drafter.draft
+
+    def counted(*args: Any, **kwargs: Any) -> Draft | None:
+        calls["n"] += 1
+        return draft(*args, **kwargs)
+
+    drafter.draft = counted  # type: ignore[method-assign]
+    row = ProposerRow(drafter, {}, len(prompt), list(prompt))
+    policy = DraftPolicy(budget=32, adaptive=False)
+    k, steps = 8, 0
+    while len(row.tokens) + k + 1 <= len(prompt) + 100:
+        at = len(row.tokens)
+        (chain,) = draft_chains(policy, [(row, k)])
+        truth = text[at - len(text) - 1 : at - len(text) - 1 + k + 1]  # the copy goes on
+        assert chain.tokens.tolist() == truth[:k], steps
+        row.chain = chain
+        row.verified(truth)
+        row.stream.advance(at, truth)
+        row.tokens.extend(truth)
+        steps += 1
+    assert calls["n"] == 1 and steps == 11  # read on for 99 tokens after one lookup of a 10-token continuation
+    assert row.parts == {"prompt": k * steps}
 
 
 def _gate(bar: float) -> LookupGate:

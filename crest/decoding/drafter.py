@@ -27,6 +27,13 @@ def drafted_parts(drafter: object, tree: Draft | None, *, context_length: int) -
     return dict(report(tree, context_length=context_length)) if report is not None else {}
 
 
+def drafted_source(drafter: object, chain: list[int], *, context_length: int) -> int:
+    """Return the position in the context after an earlier copy of `chain` that the drafter's last draft, for a
+    context of this length, found by a deep match (its text can be read on there); -1 when it found none."""
+    source = getattr(drafter, "source_at", None)
+    return int(source(chain, context_length=context_length)) if source is not None else -1
+
+
 class NoneDrafter:
     """Drafts nothing: plain decoding through the speculative loop."""
 

@@ -14,7 +14,7 @@ from crest_client.draft import Draft
 from crest_client.merge import merge_chain
 from crest_client.tiers import LEARN_DECAY, LEARN_WINDOW, MAX_SCALE, MIN_SCALE, PartScales, merge_parts
 
-from crest.decoding.drafter import Drafter, drafted_parts
+from crest.decoding.drafter import Drafter, drafted_parts, drafted_source
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,14 @@ class MergedDrafter:
         for part, part_tree in zip((self.primary, self.secondary), trees or (), strict=False):
             found.update(drafted_parts(part, part_tree, context_length=context_length))
         return found
+
+    def source_at(self, chain: list[int], *, context_length: int) -> int:
+        """Return where the context goes on after `chain`, as either part says it (`drafted_source`), or -1."""
+        for part in (self.primary, self.secondary):
+            found = drafted_source(part, chain, context_length=context_length)
+            if found >= 0:
+                return found
+        return -1
 
     def _part(self, which: int, drafter: Drafter, context_ids: Sequence[int], max_nodes: int) -> Draft | None:
         try:

@@ -34,6 +34,7 @@ class PromptDrafter:
         self._seen: list[int] = []
         self._where: dict[int, list[int]] = {}  # token -> its positions in the context, ascending
         self._buffer = np.zeros(1024, dtype=np.int64)
+        self._last: tuple[int, int, list[int]] = (-1, 0, [])  # (context length, match length, continuation starts)
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
         """Return the tree of continuations after the longest repeated suffix, or None."""
@@ -51,6 +52,7 @@ class PromptDrafter:
             return None
         seen, width = self._seen, self.continuation_length
         starts = [h + 1 for h in hits[::-1][: self.max_matches]]  # most recent first
+        self._last = (size, best, starts)
         rows = [seen[s : s + width] + [-1] * max(0, s + width - size) for s in starts]  # [M, L], -1 past the end
         tree = build_draft(np.array(rows, dtype=np.int64), tree_size=max_nodes, n=best)
         return tree if len(tree) else None
@@ -78,6 +80,19 @@ class PromptDrafter:
                 break
             hits, best = longer, k + 1
         return hits.tolist(), best
+
+    def source_at(self, chain: list[int], *, context_length: int) -> int:
+        """Return where the context goes on after `chain` (an absolute position) when the last draft, for a context
+        of this length, matched the longest suffix it looks for (`max_ngram` tokens) and one of its occurrences went
+        on with exactly `chain`; else -1. A chain copied from the context can be read on there (`ChainStream`)."""
+        length, best, starts = self._last
+        if length != context_length or best < self.max_ngram or not chain:
+            return -1
+        seen, k = self._seen, len(chain)
+        for start in starts:  # most recent first
+            if start + k < len(seen) and seen[start : start + k] == chain:
+                return start + k
+        return -1
 
     def drafted_parts(self, tree: Draft | None, *, context_length: int) -> dict[str, Draft]:
         """Return the one part behind this drafter's tree: the prompt."""

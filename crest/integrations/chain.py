@@ -54,6 +54,19 @@ def chain_parts(parts: dict[str, Draft], chain: Draft) -> dict[str, int]:
     return {name: path_length(tree, tokens) for name, tree in parts.items()}
 
 
+class ContextSource:
+    """A row's own context as a stream's source: a chain copied from earlier in the context reads on there."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens  # the row's token list, which grows as the target follows
+
+    def tokens_from(self, position: int, length: int) -> list[int]:
+        """Return up to `length` context tokens from `position` on."""
+        return self.tokens[position : position + length] if position >= 0 and length > 0 else []
+
+
 class ChainStream:
     """The rest of a row's last best chain: drafted again, with no lookup, while the target keeps following it.
 

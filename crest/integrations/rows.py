@@ -10,8 +10,10 @@ Each step, every row that drafts gets its chain the cheapest way that is as good
    that text, so a repeat costs one search per request, not one per chain;
 3. else the row's drafter: its parts looked up for all such rows at once (`prefetch_parts`: the store's tiers in
    one round trip, a dense part's neighbours in one search), merged with the recent tier and the prompt, and the
-   best path of that tree (`best_chain`) -- unless the `LookupGate` says the row's lookups do not pay for the CPU
-   they cost (a row on text nobody served, in a large batch on a fast accelerator): then it rests a few steps.
+   best path of that tree (`best_chain`); a chain the prompt part copied from the row's own text after a match
+   of its deepest length reads on there as the target follows (`ContextSource`, as in 2.) -- unless the
+   `LookupGate` says the row's lookups do not pay for the CPU they cost (a row on text nobody served, in a large
+   batch on a fast accelerator): then it rests a few steps.
 Each chain is drafted as deep as the lookup allows (`STREAM_DEPTH`); a step hands out at most its room, and the
 rest is the stream. The per-part accepted counts (what the learned row records) follow each chain's parts.
 """
@@ -28,11 +30,11 @@ from typing import Any
 import numpy as np
 from crest_client.draft import Draft, empty_draft
 
-from crest.decoding.drafter import drafted_parts
+from crest.decoding.drafter import drafted_parts, drafted_source
 from crest.decoding.policy import DraftPolicy
 from crest.drafters.lease import StoreLease
 from crest.drafters.parts import BatchRow, prefetch_parts
-from crest.integrations.chain import ChainStream, best_chain, chain_parts
+from crest.integrations.chain import ChainStream, ContextSource, best_chain, chain_parts
 
 
 def lookup_nodes(k: int) -> int:
@@ -186,7 +188,11 @@ def draft_chains(
         tree = policy.draft(row.drafter, row.tokens, room=STREAM_DEPTH, chain=True)
         best = best_chain(tree, depth=STREAM_DEPTH)
         parts = drafted_parts(row.drafter, tree, context_length=len(row.tokens)) if len(best) else {}
-        row.stream.start(best, chain_parts(parts, best), at=len(row.tokens))
+        # a chain copied from earlier in the row's own text after a deep match reads on there, as a recent one does
+        at = drafted_source(row.drafter, best.tokens.tolist(), context_length=len(row.tokens)) if len(best) else -1
+        source = ContextSource(row.tokens) if at >= 0 else None
+        row.stream.start(best, chain_parts(parts, best), at=len(row.tokens), source=source, source_at=at,
+                         source_part="prompt")  # fmt: skip
         chains[j] = best.truncate(room)
     if gate is not None:
         gate.looked(time.thread_time() - cpu, len(looked))
