@@ -124,6 +124,7 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
         r"crest proposer, last \d+ s: (\d+) steps, (\d+) draft tokens verified, (\d+) accepted \(\d+%\); "
         r"since start (\d+) verified, (\d+) accepted; proposer time per step p50 [\d.]+ ms, p99 [\d.]+ ms "
         r"\([\d.]+ ms per row; CPU p50 [\d.]+ ms\); (\d+) lookups rested \(not worth their CPU\); "
+        r"(\d+) of (\d+) chain tokens kept by the cost curve; "
         r"store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
     )
     found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
@@ -133,7 +134,8 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
         return
     every_step = every < 1
     assert len(found) == (runner.steps if every_step else 1) and said_before_close == (len(found) if every_step else 0)
-    steps, drafted, accepted, _, _, rested, lookups, _, timeouts, failed = totals
+    steps, drafted, accepted, _, _, rested, kept, chosen, lookups, _, timeouts, failed = totals
+    assert drafted <= kept <= chosen and kept > 0  # every verified chain token was one the cost curve kept
     assert (steps, drafted, accepted) == (runner.steps, runner.drafted, runner.accepted), totals
     assert rested == proposer.gate.rested
     assert found[-1][3:5] == [runner.drafted, runner.accepted]  # since start: what vLLM's counters say

@@ -7,6 +7,7 @@ Every `every` seconds of steps (`CREST_REPORT_INTERVAL`, 60; 0: never), once ste
 watcher: vLLM kills its worker without closing the proposer, so the last interval is said when traffic pauses)
 and at close, `DraftReport` says the steps, draft tokens verified and accepted since its last line and since start
 (vLLM's own counters, `vllm:spec_decode_num_draft_tokens` and `..._accepted_tokens`, are totals since start), the
+chain tokens drafted and how many of them the cost curve kept (the rest did not pay for their verification), the
 proposer's own time per step (p50 and p99, and per row at p50: what crest adds to a step) and, with a store, the
 lookups it made, the SDK's cache hits, the lookups past their timeout and the failed ones (deltas of
 `Store.stats`). A lookup past
@@ -52,6 +53,7 @@ class DraftReport:
     def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float) -> None:
         self.stats, self.every = stats, every
         self.steps = self.drafted = self.accepted = self.rested = 0
+        self.chosen = self.kept = 0  # chain tokens drafted, and kept by the cost curve, since the last line
         self.total_drafted = self.total_accepted = 0
         self.seconds: list[float] = []  # the proposer's own time of each step since the last line
         self.per_row: list[float] = []  # the same, per row of the step
@@ -65,6 +67,11 @@ class DraftReport:
         self.accepted += accepted
         self.total_drafted += drafted
         self.total_accepted += accepted
+
+    def sized(self, chosen: int, kept: int) -> None:
+        """Count a step's chains: `chosen` tokens drafted, `kept` of them after the cost curve cut them to pay."""
+        self.chosen += chosen
+        self.kept += kept
 
     def step(self, *, seconds: float = 0.0, cpu: float = 0.0, rows: int = 1, rested: int = 0) -> None:
         """Count a step that took the proposer `seconds` (`cpu` of them on its CPU) for `rows` rows, `rested` of
@@ -92,7 +99,8 @@ class DraftReport:
                 f"crest proposer, last {now - self._since:.0f} s: {self.steps} steps, {self.drafted} draft tokens "
                 f"verified, {self.accepted} accepted ({share:.0f}%); since start {self.total_drafted} verified, "
                 f"{self.total_accepted} accepted; proposer time per step p50 {p50:.2f} ms, p99 {p99:.2f} ms "
-                f"({row:.3f} ms per row; CPU p50 {cpu:.2f} ms); {self.rested} lookups rested (not worth their CPU)"
+                f"({row:.3f} ms per row; CPU p50 {cpu:.2f} ms); {self.rested} lookups rested (not worth their CPU); "
+                f"{self.kept} of {self.chosen} chain tokens kept by the cost curve"
             )
             if self.stats is not None:
                 d = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in LOOKUP_COUNTS}
@@ -101,7 +109,7 @@ class DraftReport:
                     f"failed {d['errors']})"
                 )
             log.info(line)
-        self.steps = self.drafted = self.accepted = self.rested = 0
+        self.steps = self.drafted = self.accepted = self.rested = self.chosen = self.kept = 0
         self.seconds, self.per_row, self.cpu = [], [], []
         self._since, self._seen = now, stats
         return line

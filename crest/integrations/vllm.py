@@ -217,6 +217,7 @@ class CrestProposer:
             self._feed_dense(live, batch)  # only for a step that drafts
             chains = draft_chains(self.policy, [(r, room) for _, r, room in live], gate=self.gate)
             cut, _ = self.policy.size(chains)
+            self.report.sized(sum(len(c) for c in chains), sum(len(c) for c in cut))
             for (i, row, _), chain in zip(live, cut, strict=True):
                 row.hand(chain)
                 drafts[i] = [int(t) for t in chain.tokens]
