@@ -19,7 +19,7 @@ from crest.drafters.prompt import PromptDrafter
 from crest.drafters.recent import RecentIndex, RecentOptions
 from crest.drafting.hub import DraftHub, LearnOptions
 from crest.ingest.pipeline import ingest
-from crest.integrations.chain import ChainStream
+from crest.integrations.chain import ChainStream, discount_tail
 from crest.integrations.rows import DEEP_MATCH, MAX_REST, VALUE_DECAY, LookupGate, ProposerRow, draft_chains
 
 pytest_plugins = ["tests.fix_corpus"]
@@ -168,6 +168,21 @@ def test_a_row_copying_its_own_text_reads_on_in_it_after_one_lookup() -> None:
         steps += 1
     assert calls["n"] == 1 and steps == 11  # read on for 99 tokens after one lookup of a 10-token continuation
     assert row.parts == {"prompt": k * steps}
+
+
+def test_a_chains_tail_past_its_match_is_weighed_down_and_kept_only_where_it_is_nearly_free() -> None:
+    from crest.decoding.policy import batch_draft_sizes
+    from crest.decoding.sizing import CostModel
+
+    chain = _chain(list(range(10)), [8] * 10)  # one continuation seen 8 times: as sure at its tenth node as its first
+    tail = discount_tail(chain, sure=4, factor=0.5)
+    assert path_probabilities(tail).tolist() == pytest.approx([0.8] * 4 + [0.4, 0.2, 0.1, 0.05, 0.025, 0.0125])
+    assert tail.tokens.tolist() == chain.tokens.tolist() and discount_tail(chain, sure=10, factor=0.5) is chain
+    cpu = CostModel([1, 2, 4, 8, 16], [1.0, 1.1, 1.3, 1.7, 2.5])  # each verified token costs a tenth of a step
+    flat = CostModel([1, 16], [1.0, 1.0])
+    assert batch_draft_sizes([chain], cpu) == [10]
+    assert batch_draft_sizes([tail], cpu) == [5]  # the first tail node (0.4) still pays for a tenth of a step
+    assert batch_draft_sizes([tail], flat) == [10]  # nearly free: the whole tail is still verified
 
 
 def _gate(bar: float) -> LookupGate:

@@ -48,6 +48,26 @@ def best_chain(draft: Draft | None, *, depth: int) -> Draft:
     return Draft(tree.tokens[at], chain_parents, tree.weights[at], tree.n, total)
 
 
+def discount_tail(chain: Draft, *, sure: int, factor: float) -> Draft:
+    """Return the chain with its path probabilities falling by `factor` per node past its first `sure` nodes.
+
+    A tree's weights count how often each continuation followed the matched suffix, which says nothing of how
+    far past the match the text keeps agreeing: a continuation seen once looks as sure at its tenth token as at
+    its first. Weighed down past the match's depth, the tail is kept only where verifying it is nearly free.
+    """
+    k = len(chain)
+    if k <= sure or factor >= 1.0:
+        return chain
+    weights = [w << _FINER for w in chain.weights.tolist()]  # integer weights: finer, so a small count can fall
+    for j in range(max(0, sure), k):
+        weights[j] = max(1, int(weights[j] * factor ** (j + 1 - sure)))
+    total = max(int(chain.weights[0]), int(chain.total)) << _FINER  # the first weight may fall: keep the base
+    return Draft(chain.tokens, chain.parents, np.asarray(weights, dtype=np.int64), chain.n, total)
+
+
+_FINER = 10  # bits the weights of a discounted chain are shifted up by (the path probabilities are ratios)
+
+
 def chain_parts(parts: dict[str, Draft], chain: Draft) -> dict[str, int]:
     """Return, per part, how many leading tokens of `chain` its tree holds as one path from its root."""
     tokens = chain.tokens.tolist()
