@@ -66,7 +66,7 @@ class Runner:
 
     def step(self) -> list[list[int]]:
         """Verify every row's draft, drop finished rows (as vLLM's scheduler does) and ask for the next drafts."""
-        self.clock.forwards += 1
+        self.clock.tick()
         sampled: list[list[int]] = []
         rows: list[Any] = []  # per row, the hidden states [d + 1, H] of the logits rows of its draft of d tokens
         for req_id in list(self.tokens):

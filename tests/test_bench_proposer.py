@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from crest.bench.proposer import run_passes, run_suffix
+from crest.bench.proposer import PassFigures, StandInClock, run_passes, run_suffix
 from crest.config import IngestOptions
 from crest.ingest.pipeline import ingest
 
@@ -42,3 +42,26 @@ def test_vllm_suffix_drafts_a_request_it_served_whole_through_the_same_runner() 
     assert first.tokens == again.tokens == 16 and again.accepted > first.accepted
     assert replica.label == "another replica" and replica.accepted < again.accepted  # its cache died with it
     assert again.row()["recent tier"] == "-"
+
+
+def test_the_stand_in_forward_grows_with_the_draft_tokens_it_verifies() -> None:
+    """`--token-ms`: a CPU's forward costs more with each draft token it verifies, and tokens/s counts it."""
+    clock = StandInClock(0.02, token=0.004)
+    before = clock()
+    clock.tick(0)
+    clock.tick(5)
+    assert clock.forwards == 2 and clock.seconds == pytest.approx(0.06)
+    assert clock() - before >= 0.06
+    flat = PassFigures("x", False, 1, tokens=30, accepted=20, step_ms=[1.0, 1.0], cpu_ms=[], forward=0.02)
+    assert flat.tokens_per_second() == pytest.approx(30 / 0.042)  # two flat forwards and the proposer's time
+    shaped = PassFigures("x", False, 1, tokens=30, accepted=20, step_ms=[1.0, 1.0], cpu_ms=[], forward=0.02,
+                         engine=clock.seconds)  # fmt: skip
+    assert shaped.tokens_per_second() == pytest.approx(30 / 0.062)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"], ids=["negative", "nan"])
+def test_a_bad_token_cost_is_a_usage_error(db_dsn: str, value: str) -> None:
+    from tests.fix_cli import run_cli
+
+    done = run_cli("bench", "proposer", "-s", "nope", "--token-ms", value, dsn=db_dsn)
+    assert done.returncode == 2 and "--token-ms" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -138,9 +138,11 @@ def test_a_row_off_every_stream_looks_up_its_store_once_per_step(hub: DraftHub) 
         row.tokens.extend(nxt)
 
 
-def test_a_row_copying_its_own_text_reads_on_in_it_after_one_lookup() -> None:
+@pytest.mark.parametrize("k", [8, 16], ids=["room-below-the-continuation", "room-above-it"])
+def test_a_row_copying_its_own_text_reads_on_in_it_after_one_lookup(k: int) -> None:
     """A chain the prompt part copied after a match of its deepest length reads on in the row's own text while
-    the target follows it: one lookup for the whole copy, as `suffix` drafts a copied prompt."""
+    the target follows it: one lookup for the whole copy, as `suffix` drafts a copied prompt, also when a step
+    verifies more than the prompt part's 10-token continuation."""
     rng = np.random.default_rng(5)
     text = [int(t) for t in rng.integers(2, 200, size=120)]  # a passage the answer copies, and nothing repeats
     prompt = [*text, 1, *text[:8]]  # the answer has begun the copy: an 8-token match
@@ -155,7 +157,7 @@ def test_a_row_copying_its_own_text_reads_on_in_it_after_one_lookup() -> None:
     drafter.draft = counted  # type: ignore[method-assign]
     row = ProposerRow(drafter, {}, len(prompt), list(prompt))
     policy = DraftPolicy(budget=32, adaptive=False)
-    k, steps = 8, 0
+    steps = 0
     while len(row.tokens) + k + 1 <= len(prompt) + 100:
         at = len(row.tokens)
         (chain,) = draft_chains(policy, [(row, k)])
@@ -166,7 +168,7 @@ def test_a_row_copying_its_own_text_reads_on_in_it_after_one_lookup() -> None:
         row.stream.advance(at, truth)
         row.tokens.extend(truth)
         steps += 1
-    assert calls["n"] == 1 and steps == 11  # read on for 99 tokens after one lookup of a 10-token continuation
+    assert calls["n"] == 1 and steps == 99 // (k + 1)  # read on for the copy after one lookup of 10 tokens
     assert row.parts == {"prompt": k * steps}
 
 

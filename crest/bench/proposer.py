@@ -35,11 +35,13 @@ class PassFigures:
     step_ms: list[float]
     cpu_ms: list[float]
     method: str = "crest"
-    forward: float = 0.0  # seconds of the stand-in forward per step
+    forward: float = 0.0  # seconds of the stand-in forward per step (with no draft token)
+    engine: float | None = None  # the stand-in forwards' seconds in all (None: `forward` a step)
 
     def tokens_per_second(self) -> float:
-        """Return the engine's tokens/s were each step a forward of `forward` seconds plus the proposer's time."""
-        seconds = len(self.step_ms) * self.forward + sum(self.step_ms) / 1e3
+        """Return the engine's tokens/s were each step a stand-in forward plus the proposer's time."""
+        engine = len(self.step_ms) * self.forward if self.engine is None else self.engine
+        seconds = engine + sum(self.step_ms) / 1e3
         return self.tokens / seconds if seconds > 0 else 0.0
 
     def row(self) -> dict[str, Any]:
@@ -59,23 +61,29 @@ class PassFigures:
 
 
 class StandInClock:
-    """The engine's time as the proposer sees it: this machine's, plus a stand-in forward of `forward` seconds per
-    step, whatever its tokens (no model runs here; flat, as on a GPU at small batches). The proposer sizes chains by
-    the forwards' cost and weighs each row's lookup CPU against the engine's tokens/s."""
+    """The engine's time as the proposer sees it: this machine's, plus a stand-in forward per step of `forward`
+    seconds and `token` more per draft token it verifies (no model runs here). `token` 0 is flat, as on a GPU at
+    small batches; a CPU's forward grows with its tokens. The proposer sizes chains by the forwards' cost and
+    weighs each row's lookup CPU against the engine's tokens/s."""
 
-    def __init__(self, forward: float) -> None:
-        self.forward, self.forwards = forward, 0
+    def __init__(self, forward: float, *, token: float = 0.0) -> None:
+        self.forward, self.token = forward, token
+        self.forwards = 0
+        self.seconds = 0.0  # the stand-in forwards' time so far
+
+    def tick(self, drafted: int = 0) -> None:
+        """Count one forward that verified `drafted` draft tokens."""
+        self.forwards += 1
+        self.seconds += self.forward + self.token * drafted
 
     def __call__(self) -> float:
-        return time.perf_counter() + self.forwards * self.forward
+        return time.perf_counter() + self.seconds
 
 
 class _Runner:
     """vLLM's model runner as the proposer sees it: the batch's request ids, and chains verified against targets."""
 
-    def __init__(
-        self, proposer: Any, requests: list[tuple[str, list[int], list[int]]], *, clock: StandInClock | None = None
-    ) -> None:
+    def __init__(self, proposer: Any, requests: list[tuple[str, list[int], list[int]]], *, clock: StandInClock) -> None:
         self.proposer, self.clock = proposer, clock
         self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, np.int32))
         self.requests = {
@@ -96,8 +104,7 @@ class _Runner:
         self.step()
 
     def step(self) -> None:
-        if self.clock is not None:
-            self.clock.forwards += 1  # the target's forward that verified the last drafts
+        self.clock.tick(sum(len(self.drafts.get(r, [])) for r in self.tokens))  # the forward that verified them
         sampled = []
         for rid, have in self.tokens.items():
             target, draft = self.targets[rid], self.drafts.get(rid, [])
@@ -162,7 +169,11 @@ class SuffixStandIn:
 
 
 def run_suffix(
-    requests: list[tuple[list[int], list[int]]], *, concurrency: int = 8, forward: float = DEFAULT_STAND_IN_FORWARD
+    requests: list[tuple[list[int], list[int]]],
+    *,
+    concurrency: int = 8,
+    forward: float = DEFAULT_STAND_IN_FORWARD,
+    token: float = 0.0,
 ) -> list[PassFigures]:
     """Return vLLM `suffix`'s figures on the same two passes (one cache for both, as one vLLM server keeps it), then
     on another replica (a new process: a cache of its own, empty)."""
@@ -172,15 +183,17 @@ def run_suffix(
         if label == "another replica":
             proposer = SuffixStandIn()
         before, tokens, accepted = len(proposer.seconds), 0, 0
+        clock = StandInClock(forward, token=token)
         for start in range(0, len(requests), width):
             batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
-            runner = _Runner(proposer, batch)
+            runner = _Runner(proposer, batch, clock=clock)
             proposer.runner = runner
             runner.run()
             tokens += sum(len(out) for _, _, out in batch)
             accepted += runner.accepted
         ms = [s * 1e3 for s in proposer.seconds[before:]]
-        found.append(PassFigures(label, False, width, tokens, accepted, ms, [], method="vllm suffix", forward=forward))
+        found.append(PassFigures(label, False, width, tokens, accepted, ms, [], method="vllm suffix", forward=forward,
+                                 engine=clock.seconds))  # fmt: skip
     return found
 
 
@@ -193,24 +206,25 @@ def run_passes(
     concurrency: int = 8,
     vocab: int = 49152,
     forward: float = DEFAULT_STAND_IN_FORWARD,
+    token: float = 0.0,
 ) -> list[PassFigures]:
     """Return the two passes' figures with the recent tier off, then on (the store's learned rows forgotten first),
     then "another replica": a new process (a restart, or the fleet's next replica) whose recent tier the learned
     log warmed, serving the same requests `concurrency` at a time; each step stands in for a target forward of
-    `forward` seconds."""
+    `forward` seconds, and `token` more per draft token it verifies."""
     from crest.config import resolve_dsn
     from crest.learning.forget import forget
 
     found: list[PassFigures] = []
     for recent in (False, True):
         forget(resolve_dsn(dsn), store)
-        proposer = _proposer(store, dsn=dsn, k=k, vocab=vocab, recent=recent, forward=forward)
+        proposer = _proposer(store, dsn=dsn, k=k, vocab=vocab, recent=recent, forward=forward, token=token)
         try:
             found += [_serve(proposer, requests, label, width) for label, width in (("first sight", 1),
                                                                                    ("again", concurrency))]  # fmt: skip
         finally:
             proposer.close()  # its learned rows written: the log the next process is warmed from
-    proposer = _proposer(store, dsn=dsn, k=k, vocab=vocab, recent=True, forward=forward, feed=True)
+    proposer = _proposer(store, dsn=dsn, k=k, vocab=vocab, recent=True, forward=forward, token=token, feed=True)
     try:
         deadline = time.monotonic() + WARM_TIMEOUT
         while proposer.hub.feed.counts["rows"] < len(requests):  # the feed warms it from the log at its start
@@ -227,7 +241,15 @@ WARM_TIMEOUT = 60.0  # seconds a new process's recent tier may take to be warmed
 
 
 def _proposer(
-    store: str, *, dsn: str | None, k: int, vocab: int, recent: bool, forward: float, feed: bool = False
+    store: str,
+    *,
+    dsn: str | None,
+    k: int,
+    vocab: int,
+    recent: bool,
+    forward: float,
+    token: float = 0.0,
+    feed: bool = False,
 ) -> Any:
     """Return a vLLM proposer on `store` as vLLM would make it, its clock standing in for `forward`-second forwards
     (`feed`: its recent tier warmed from the learned log at start, and polled no more)."""
@@ -242,13 +264,13 @@ def _proposer(
                             feed_interval=3600.0 if feed else 0)  # fmt: skip
     with patch.object(vllm_proposer, "tokenizer_fingerprint", lambda _config: None):  # the store's tokenizer
         proposer = vllm_proposer.CrestProposer(config, settings=settings, idle_learn=0)
-    proposer.clock = StandInClock(forward)
+    proposer.clock = StandInClock(forward, token=token)
     return proposer
 
 
 def _serve(proposer: Any, requests: list[tuple[list[int], list[int]]], label: str, width: int) -> PassFigures:
     """Return the figures of one pass over the requests, `width` at a time."""
-    before = len(proposer.report.seconds)
+    before, engine = len(proposer.report.seconds), proposer.clock.seconds
     tokens = accepted = 0
     for start in range(0, len(requests), width):
         batch = [(f"{label}-{i}", *requests[i]) for i in range(start, min(start + width, len(requests)))]
@@ -259,4 +281,5 @@ def _serve(proposer: Any, requests: list[tuple[list[int], list[int]]], label: st
     ms = [s * 1e3 for s in proposer.report.seconds[before:]]
     cpu = [s * 1e3 for s in proposer.report.cpu[before:]]
     recent = proposer.hub.recent(proposer.settings.store) is not None
-    return PassFigures(label, recent, width, tokens, accepted, ms, cpu, forward=proposer.clock.forward)
+    return PassFigures(label, recent, width, tokens, accepted, ms, cpu, forward=proposer.clock.forward,
+                       engine=proposer.clock.seconds - engine)  # fmt: skip

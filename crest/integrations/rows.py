@@ -199,7 +199,9 @@ def draft_chains(
         source = ContextSource(row.tokens) if at >= 0 else None
         row.stream.start(best, chain_parts(parts, best), at=len(row.tokens), source=source, source_at=at,
                          source_part="prompt")  # fmt: skip
-        chains[j] = best.truncate(room)
+        # a source reads on at once: a chain shorter than the room, accepted whole, is followed on by its bonus token
+        read = row.stream.take(room, at=len(row.tokens)) if source is not None else None
+        chains[j] = read if read is not None else best.truncate(room)
     if gate is not None:
         gate.looked(time.thread_time() - cpu, len(looked))
     return chains
