@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from crest.drafters.recent import RecentDrafter, RecentIndex, RecentOptions
+from crest.drafters.recent import RecentDrafter, RecentIndex, RecentOptions, _hashes, _key_hash
 from crest.errors import ConfigError
 
 RNG = np.random.default_rng(7)
@@ -175,3 +175,11 @@ def test_the_drafter_names_its_part() -> None:
 def test_options_that_cannot_work_are_refused(options: RecentOptions) -> None:
     with pytest.raises(ConfigError, match="recent tier"):
         RecentIndex(options)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 16], ids=lambda k: f"k{k}")
+def test_key_hash_is_the_index_hash(k: int) -> None:
+    rng = np.random.default_rng(k)
+    for _ in range(50):  # token ids up to a large vocabulary's: the products wrap modulo 2^64 many times
+        tokens = rng.integers(0, 1 << 20, size=k + 5)
+        assert _key_hash(tokens[-k:].tolist()) == int(_hashes(tokens, k)[-1])

@@ -45,6 +45,24 @@ def test_a_stream_goes_on_only_while_the_target_follows_it() -> None:
     assert stream.take(1, at=104) is None and stream.parts == {}
 
 
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"seed{s}")
+def test_a_streams_kept_probabilities_are_those_computed_afresh(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        k = int(rng.integers(2, 24))
+        falling = np.sort(rng.integers(1, 50, size=k))[::-1].tolist()
+        rising = rng.integers(1, 50, size=k).tolist()  # a chain whose weights rise: `chain_scale` refuses it
+        weights = falling if rng.random() < 0.7 else rising
+        tokens = rng.integers(0, 1000, size=k).tolist()
+        stream = ChainStream()
+        stream.start(_chain(tokens, weights), {}, at=50)
+        used = int(rng.integers(1, k))
+        stream.advance(50, tokens[:used])
+        kept = stream.chain
+        fresh = Draft(kept.tokens, kept.parents, kept.weights, kept.n, kept.total)  # nothing kept on it
+        assert path_probabilities(kept).tolist() == path_probabilities(fresh).tolist()
+
+
 def test_a_stream_from_one_earlier_text_reads_on_in_it_while_the_target_follows() -> None:
     index = RecentIndex()
     text = list(range(100, 160))

@@ -95,6 +95,19 @@ def path_probabilities(draft: Draft) -> np.ndarray:
     return draft.probabilities  # type: ignore[return-value]
 
 
+def with_chain_probabilities(draft: Draft) -> Draft:
+    """Return the draft, its path probabilities kept, for a chain known to pass `chain_scale`'s checks.
+
+    A chain cut from one that passed them passes them too (its weights still positive and never increasing, its
+    total its consumed head's weight), so a proposer's stream skips the checks at every step.
+    """
+    if draft.probabilities is None and len(draft):
+        prob = draft.weights / float(max(int(draft.weights[0]), int(draft.total)))  # `_path_probabilities`' division
+        prob.flags.writeable = False
+        object.__setattr__(draft, "probabilities", prob)
+    return draft
+
+
 def chain_scale(draft: Draft) -> float | None:
     """Return the number a chain's weights divide by to give its path probabilities, when they do (else None).
 

@@ -48,17 +48,28 @@ class StepCost:
         self.prior, self.decay = prior, decay
         self.ratio = np.full(self.BUCKETS, np.nan)  # [buckets] seconds observed / prior seconds, decayed
         self.largest = 0  # the most slots a step observed had
+        self._seen = np.zeros(0, dtype=np.int64)  # the buckets observed, ascending
+        self._priors: dict[int, float] = {}  # the prior at each token count observed (a proposer observes every step)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Record that a step of `tokens` slots (rows x width) took `seconds`."""
-        expected = float(self.prior(tokens))
+        tokens = int(tokens)
+        expected = self._priors.get(tokens)
+        if expected is None:
+            expected = float(self.prior(tokens))
+            if len(self._priors) < 4096:
+                self._priors[tokens] = expected
         if tokens < 1 or seconds <= 0 or expected <= 0:
             return
-        b = min(self.BUCKETS - 1, int(tokens).bit_length() - 1)
+        b = min(self.BUCKETS - 1, tokens.bit_length() - 1)
         r = seconds / expected
-        self.largest = max(self.largest, int(tokens))
-        old = self.ratio[b]
-        self.ratio[b] = r if np.isnan(old) else self.decay * old + (1.0 - self.decay) * r
+        self.largest = max(self.largest, tokens)
+        old = float(self.ratio[b])
+        if old != old:  # NaN: the bucket's first step
+            self.ratio[b] = r
+            self._seen = np.flatnonzero(~np.isnan(self.ratio))
+        else:
+            self.ratio[b] = self.decay * old + (1.0 - self.decay) * r
 
     def __call__(self, k: np.ndarray | int) -> np.ndarray:
         """Return the estimated seconds of a step of `k` slots: the prior, scaled as observed nearby; beyond the
@@ -69,14 +80,17 @@ class StepCost:
         A prior shaped by a CPU, where width costs, would otherwise keep a GPU's wide steps undrafted forever.
         """
         k = np.asarray(k, dtype=np.float64)
-        seen = np.flatnonzero(~np.isnan(self.ratio))
+        seen = self._seen
         if not seen.shape[0]:
             return self.prior(k)
         ratios = self.ratio[seen]
-        sizes = np.append(k, float(self.largest))  # [n + 1]: the widest step observed last (one call of the prior)
-        scale = np.interp(np.log2(np.maximum(sizes, 1.0)), seen, ratios)  # nearest beyond the ends
-        cost = self.prior(sizes) * scale
-        return np.where(k > self.largest, np.minimum(cost[:-1], cost[-1]), cost[:-1]).reshape(k.shape)
+        if k.size and float(k.max()) > self.largest:  # the widest step observed, last (one call of the prior)
+            sizes = np.append(k, float(self.largest))  # [n + 1]
+            scale = np.interp(np.log2(np.maximum(sizes, 1.0)), seen, ratios)  # nearest beyond the ends
+            cost = self.prior(sizes) * scale
+            return np.where(k > self.largest, np.minimum(cost[:-1], cost[-1]), cost[:-1]).reshape(k.shape)
+        scale = np.interp(np.log2(np.maximum(k, 1.0)), seen, ratios)
+        return np.asarray(self.prior(k) * scale).reshape(k.shape)
 
 
 CostSource = CostModel | StepCost | Callable[[], CostModel]
@@ -114,7 +128,8 @@ class DraftPolicy:
     @property
     def acceptance_scale(self) -> float:
         """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
-        return float(np.clip((self._accepted + 0.5) / (self._predicted + 1.0), *SCALE_BOUNDS))
+        low, high = SCALE_BOUNDS  # Python floats: read every step
+        return min(high, max(low, (self._accepted + 0.5) / (self._predicted + 1.0)))
 
     @property
     def evidence(self) -> float:
@@ -161,13 +176,18 @@ class DraftPolicy:
 
     def size(self, drafts: Sequence[Draft]) -> tuple[list[Draft], float]:
         """Return the drafts cut to the sizes that pay for the batch, and their weight-predicted accepted nodes."""
+        cut, each = self.size_rows(drafts)
+        return cut, float(np.asarray(each, dtype=np.float64).sum())
+
+    def size_rows(self, drafts: Sequence[Draft]) -> tuple[list[Draft], list[float]]:
+        """Return the drafts cut to the sizes that pay for the batch, and each one's weight-predicted accepted nodes."""
         drafts = list(drafts)
         if not any(len(d) for d in drafts):
-            return drafts, 0.0
+            return drafts, [0.0] * len(drafts)
         within = cumulative_nodes(drafts)  # [B, k+1]
         rows = np.arange(len(drafts))
         if not self.adaptive:
-            return drafts, float(within[rows, [len(d) for d in drafts]].sum())
+            return drafts, within[rows, [len(d) for d in drafts]].tolist()
         sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale, packed=self.packed,
                                   within=within)  # fmt: skip
         paid = any(sizes)
@@ -178,8 +198,7 @@ class DraftPolicy:
             # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
             # often as the batch grows, since every row then pads to the probe's width)
             sizes, self._idle = [min(len(d), EXPLORE_NODES) for d in drafts], 0
-        predicted = float(within[rows, sizes].sum())
-        return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], predicted
+        return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], within[rows, sizes].tolist()
 
     def observe(self, *, accepted: int, predicted: float) -> None:
         """Fold one verified step's accepted and weight-predicted draft nodes into the acceptance correction."""
@@ -248,8 +267,3 @@ def batch_draft_sizes(
 def choose_draft_size(draft: Draft, cost: CostModel | StepCost, *, acceptance_scale: float = 1.0) -> int:
     """Return the prefix size k that maximises expected new tokens per second for this draft (0: no draft)."""
     return batch_draft_sizes([draft], cost, acceptance_scale=acceptance_scale)[0]
-
-
-def expected_nodes(draft: Draft, size: int) -> float:
-    """Return the weight-predicted accepted nodes among the draft's first `size` nodes."""
-    return float(path_probabilities(draft)[:size].sum()) if size else 0.0

@@ -35,15 +35,19 @@ class CostModel:
         self.sizes = np.asarray(sizes, dtype=np.float64)
         # more tokens never cost less, and timing noise only ever adds time: a size costs at most any larger one
         self.seconds = np.minimum.accumulate(np.asarray(seconds, dtype=np.float64)[::-1])[::-1]
+        # the slope beyond the largest size (called every step by a proposer: computed once)
+        pairs = self.sizes.shape[0] >= 2
+        rise = float(self.seconds[-1] - self.seconds[-2]) if pairs else 0.0
+        self._slope = max(0.0, rise / float(self.sizes[-1] - self.sizes[-2])) if pairs else 0.0
 
     def __call__(self, k: np.ndarray | int) -> np.ndarray:
         """Return the estimated seconds of a forward of `k` tokens (linear beyond the largest size measured)."""
         k = np.asarray(k, dtype=np.float64)
         inside = np.interp(k, self.sizes, self.seconds)
-        if self.sizes.shape[0] < 2:
+        last = float(self.sizes[-1])
+        if self.sizes.shape[0] < 2 or not k.size or float(k.max()) <= last:
             return inside
-        slope = max(0.0, (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2]))
-        return np.where(k > self.sizes[-1], self.seconds[-1] + slope * (k - self.sizes[-1]), inside)
+        return np.where(k > last, float(self.seconds[-1]) + self._slope * (k - last), inside)
 
     def to_json(self) -> dict[str, list[float]]:
         """Return the measured curve as a JSON-ready dict."""

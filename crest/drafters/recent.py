@@ -102,6 +102,17 @@ def _hashes(tokens: np.ndarray, k: int) -> np.ndarray:
     return h
 
 
+_MASK = (1 << 64) - 1
+
+
+def _key_hash(tokens: list[int]) -> int:
+    """Return `_hashes`' value for one key (`tokens`: its k tokens), in Python: a lookup hashes one key per level."""
+    h, mix = 0, int(_MIX)
+    for t in tokens:  # uint64 arithmetic: every step wraps modulo 2^64, as numpy's does
+        h = (h * mix + ((t + 1) & _MASK)) & _MASK
+    return h
+
+
 class RecentIndex:
     """One store's recently served documents, matched at any depth (see the module docstring)."""
 
@@ -215,10 +226,11 @@ class RecentIndex:
     def _candidates(self, tail: np.ndarray) -> tuple[int, np.ndarray] | None:
         """Return the deepest match depth and the most recent positions (absolute, at most `matches`) matching it."""
         opts = self.options
+        last = tail[-max(level.k for level in self._levels) :].tolist()
         for level in reversed(self._levels):  # the deep key first: it finds deep matches among many shallow ones
             if tail.shape[0] < level.k:
                 continue
-            positions = level.find(int(_hashes(tail[-level.k :], level.k)[0]), opts.candidates)
+            positions = level.find(_key_hash(last[-level.k :]), opts.candidates)
             positions = positions[positions >= self._base]
             if not positions.shape[0]:
                 continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from crest_client.draft import Draft, empty_draft, is_chain, path_probabilities
+from crest_client.draft import Draft, chain_scale, empty_draft, is_chain, path_probabilities, with_chain_probabilities
 
 from crest.decoding.tree import limit_depth
 from crest.learning.requests import path_length
@@ -100,7 +100,7 @@ class ChainStream:
     The target followed every token so far, so the match is deeper than when it was found and earns the length.
     """
 
-    __slots__ = ("at", "chain", "depth", "parts", "source", "source_at", "source_part")
+    __slots__ = ("at", "chain", "depth", "parts", "scaled", "source", "source_at", "source_part")
 
     def __init__(self) -> None:
         self.chain = empty_draft()
@@ -110,6 +110,7 @@ class ChainStream:
         self.source_at = -1  # the position in it of the token after the chain's last
         self.source_part = ""  # the part the source's tokens count for
         self.depth = 0  # tokens the stream tops itself up to from its source
+        self.scaled = False  # the chain passed `chain_scale`'s checks: so does what is left of it, step after step
 
     def start(
         self, chain: Draft, parts: dict[str, int], *, at: int, source: Any = None, source_at: int = -1,
@@ -121,10 +122,14 @@ class ChainStream:
         self.source, self.source_at = (source, source_at) if source is not None and source_at >= 0 else (None, -1)
         self.source_part = source_part
         self.depth = len(chain)
+        self.scaled = chain_scale(chain) is not None  # once per chain, not once per step
+        if self.scaled:  # kept on the chain, and on every cut of it handed out
+            with_chain_probabilities(chain)
 
     def clear(self) -> None:
         """Follow nothing (the target left the path)."""
         self.chain, self.parts, self.at, self.source, self.source_at = empty_draft(), {}, -1, None, -1
+        self.scaled = False
 
     def advance(self, at: int, new: list[int]) -> None:
         """Step past the step's new tokens (accepted, then bonus), appended to a context of `at` tokens, when they
@@ -137,6 +142,8 @@ class ChainStream:
         total = int(chain.weights[used - 1])
         self.chain = Draft(chain.tokens[used:], chain.parents[: len(chain) - used], chain.weights[used:], chain.n,
                            total)  # fmt: skip
+        if self.scaled:  # a proposer sizes every stream's chain every step: its probabilities are one division
+            with_chain_probabilities(self.chain)
         self.parts = {name: depth - used for name, depth in self.parts.items() if depth > used}
         self.at = at + used
 
@@ -167,4 +174,7 @@ class ChainStream:
             int(chain.total) or weight,
         )
         self.source_at += len(more)
+        self.scaled = self.scaled or k == 0  # the appended weights repeat a positive last one
+        if self.scaled:
+            with_chain_probabilities(self.chain)
         self.parts[self.source_part] = self.parts.get(self.source_part, 0) + len(more)

@@ -73,6 +73,7 @@ class ProposerRow:
     hidden: np.ndarray | None = None  # [H] the state that predicted the last token, this step (None: unknown)
     chain: Draft = field(default_factory=empty_draft)  # the chain handed out for a context of `chain_at` tokens
     chain_at: int = -1
+    predicted: float = 0.0  # the chain's weight-predicted accepted nodes, as the policy sized it
     stream: ChainStream = field(default_factory=ChainStream)
     steps: int = 0
     drafted: int = 0
@@ -105,9 +106,10 @@ class ProposerRow:
             self.value += (1.0 - VALUE_DECAY) * got
         return got
 
-    def hand(self, chain: Draft) -> None:
-        """Hand the row `chain` to verify this step (a looked-up row given nothing learns its lookup brought 0)."""
-        self.chain, self.chain_at = chain, len(self.tokens)
+    def hand(self, chain: Draft, *, predicted: float = 0.0) -> None:
+        """Hand the row `chain` to verify this step, its weight-predicted accepted nodes `predicted` (a looked-up
+        row given nothing learns its lookup brought 0)."""
+        self.chain, self.chain_at, self.predicted = chain, len(self.tokens), predicted
         if self.looked and not len(chain):
             self.learn_value(0)
 

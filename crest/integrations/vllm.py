@@ -37,7 +37,7 @@ from crest_client.draft import empty_draft
 
 from crest.config import VllmSettings, vllm_settings
 from crest.decoding.hidden import feed_hidden, model_fingerprint
-from crest.decoding.policy import DraftPolicy, expected_nodes, room_left
+from crest.decoding.policy import DraftPolicy, room_left
 from crest.decoding.sizing import CostModel
 from crest.drafters.recent import RecentOptions
 from crest.drafters.registry import check_drafter, kind_of, usable_kind
@@ -189,7 +189,7 @@ class CrestProposer:
             if new and row.chain_at == at and len(row.chain):  # the step verified our last chain
                 got = row.verified(new)
                 accepted, verified = accepted + got, True
-                predicted += expected_nodes(row.chain, len(row.chain))
+                predicted += row.predicted
                 self.report.verified(len(row.chain), got)
             row.chain, row.chain_at = empty_draft(), -1
             if at + len(new) == n:
@@ -216,11 +216,11 @@ class CrestProposer:
         if live and not self.policy.skip(len(live)):
             self._feed_dense(live, batch)  # only for a step that drafts
             chains = draft_chains(self.policy, [(r, room) for _, r, room in live], gate=self.gate)
-            cut, _ = self.policy.size(chains)
+            cut, each = self.policy.size_rows(chains)
             self.report.sized(sum(len(c) for c in chains), sum(len(c) for c in cut))
-            for (i, row, _), chain in zip(live, cut, strict=True):
-                row.hand(chain)
-                drafts[i] = [int(t) for t in chain.tokens]
+            for (i, row, _), chain, predicted in zip(live, cut, each, strict=True):
+                row.hand(chain, predicted=predicted)
+                drafts[i] = chain.tokens.tolist()
         self._last_end = self.clock()
         self.report.step(seconds=time.perf_counter() - start, cpu=time.thread_time() - cpu, rows=rows,
                          rested=self.gate.rested - rested)  # fmt: skip
