@@ -7,16 +7,19 @@ own earlier answer deep at its first step on another replica and after a restart
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
 import psycopg
 import pytest
+from crest_client.learner import LEARNED_CHANNEL, Learner
 
 from crest.config import IngestOptions
 from crest.drafters.recent import RecentIndex
 from crest.drafting.hub import DraftHub, LearnOptions
 from crest.ingest.pipeline import ingest
+from crest.learning.feed import LearnedFeed
 from crest.learning.requests import PROMPT_TAIL, path_length
 from tests.fix_wait import wait_until
 
@@ -44,8 +47,8 @@ def _chats(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return asked, answers
 
 
-def _hub(dsn: str, source: str, *, record: bool) -> DraftHub:
-    learning = LearnOptions(record=record, refresh_interval=0, feed_interval=0.05, flush_interval=0.05)
+def _hub(dsn: str, source: str, *, record: bool, feed_interval: float = 0.05) -> DraftHub:
+    learning = LearnOptions(record=record, refresh_interval=0, feed_interval=feed_interval, flush_interval=0.05)
     hub = DraftHub(dsn=dsn, learning=learning, source=source)
     hub.start()
     return hub
@@ -95,3 +98,52 @@ def test_a_learned_row_reaches_another_replica_and_a_restart_with_its_prompt_tai
         _assert_drafts_deep(warmed, asked, answers)
     finally:
         restarted.close()
+
+
+def test_a_learned_batch_is_notified_when_it_commits_without_a_flush(words: str) -> None:
+    with psycopg.connect(words, autocommit=True) as listen, Learner(words, "words", flush_interval=0.05) as learner:
+        listen.execute(f"LISTEN {LEARNED_CHANNEL}")
+        learner.learn([7, 8, 9])  # no flush: the writer writes once the row has waited its interval
+        payloads = [note.payload for note in listen.notifies(timeout=30, stop_after=1)]
+    assert payloads == ["words"]
+
+
+def test_a_replica_feeds_a_notified_row_long_before_its_poll_interval(words: str) -> None:
+    asked, answers = _chats(5)
+    teacher = _hub(words, "serve@a", record=True)
+    other = _hub(words, "serve@b", record=False, feed_interval=3600.0)  # polls once an hour: notifications only
+    try:
+        teacher.store("words")
+        assert other.feed is not None
+        other.store("words")  # the feed wakes to warm it, then waits an hour or for a notification
+        polled = other.recent("words")
+        assert polled is not None
+        teacher.learn("words", asked[0], answers[0])  # by the warm-up or a notification: either way, in
+        wait_until(lambda: polled.documents == 1, "the first row never reached the other replica", timeout=30)
+        notified = other.feed.counts["notified"]
+        for prompt, answer in zip(asked[1:], answers[1:], strict=True):  # now only a notification brings them
+            teacher.learn("words", prompt, answer)
+        wait_until(lambda: polled.documents == 3, "a notified batch never reached the other replica", timeout=30)
+        assert other.feed.counts["notified"] > notified
+        _assert_drafts_deep(polled, asked, answers)
+    finally:
+        teacher.close()
+        other.close()
+
+
+def test_a_feed_that_cannot_listen_polls_on_its_interval(words: str) -> None:
+    index = RecentIndex()
+    with socket.socket() as free:  # a port nothing listens on: the listening connection is refused
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    feed = LearnedFeed(words, lambda: [("words", index)], interval=0.05, listen=True,
+                       listen_dsn=f"postgresql://crest@127.0.0.1:{port}/crest", connect_timeout=1)  # fmt: skip
+    feed.start()
+    try:
+        with Learner(words, "words", flush_interval=0.05) as learner:
+            learner.learn([7, 8, 9, 10])
+            assert learner.flush(timeout=30)
+        wait_until(lambda: index.documents == 1, "a feed that cannot listen stopped polling", timeout=30)
+        assert feed.counts["notified"] == 0
+    finally:
+        feed.stop()

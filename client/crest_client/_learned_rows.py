@@ -39,6 +39,8 @@ DENSE = (
 PART_PREFIX = "accepted_"  # stats["accepted_<part>"]: accepted tokens the part's tree held along the accepted path
 PART_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # a drafter part's name: static, live, prompt, ...
 
+LEARNED_CHANNEL = "crest_learned"  # NOTIFY channel of every learned batch (payload: its store), at its COMMIT
+
 INSERT_SQL = (
     "INSERT INTO crest_learned (store, tokens, n_tokens, prompt_tokens, source)"
     " SELECT %s, t, n, p, %s FROM unnest(%s::bytea[], %s::integer[], %s::integer[]) AS u(t, n, p)"
@@ -72,6 +74,7 @@ class Item:
     stats: tuple[tuple[int, ...], dict[str, int]] | None = None
     dense: DenseRows | None = None
     xid: str | None = None
+    queued_at: float = 0.0  # time.monotonic() when it was queued: it waits at most the learner's flush interval
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ def insert_batch(conn: psycopg.Connection[Any], batch: Sequence[Item], store: st
         row = conn.execute("SELECT pg_current_xact_id()::text").fetchone()
         xid = str(row[0]) if row is not None else ""
         conn.execute(query, params)
+        conn.execute("SELECT pg_notify(%s, %s)", (LEARNED_CHANNEL, store))  # sent to listeners at the COMMIT
     except Exception:
         if not (conn.broken or conn.closed):
             try:

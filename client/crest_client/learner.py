@@ -1,27 +1,29 @@
 """`Learner`: a bounded, batched, background appender of served token sequences into one store's learned log.
 
 `learn(token_ids)` only copies the ids into an in-memory queue and returns: it never blocks on the database and
-never raises. A daemon thread writes what is queued every `flush_interval` seconds, or as soon as `flush_tokens`
-tokens wait, as ONE multi-row INSERT into `crest_learned` (`crest_client._learned_rows`: token ids as little-endian
-uint32 bytes, a sequence's figures `STATS` and dense vectors `DENSE` when given) in a transaction on its own
-connection, opened lazily. The queue holds at most `max_pending_tokens` tokens; beyond that the oldest sequences
-are dropped and counted (the live tier keeps the most recent outputs, so the newest are the ones worth keeping).
-A batch that no writable server took (down, restarting, a failover under way, a standby that answers read-only, a
-timeout) goes back to the front of the queue and is tried again, after `retry_interval` seconds doubling up to
-`max_retry_interval` while it fails, and written once a writable server answers; a batch the database refuses (a
-schema it lacks) is dropped and counted; one warning per outage. Each row is written at most once, and exactly
-once while the server it was sent to, or a replica promoted in its place, keeps its history: the transaction's
-id (`pg_current_xact_id()`) is read before the INSERT, so when the connection dies after the COMMIT was sent the
-batch keeps it, and once a server answers `pg_xact_status` says whether it committed (counted written), aborted
-or never reached that server (written again) or is still running (asked again later). It can still be lost, not
-doubled: a failover that loses the old primary's last commits (asynchronous replication) while the promoted
-server reuses that id for a transaction of its own that commits, or an id too old for the server to know (both
-taken as written or dropped, never retried). `flush()` waits until everything queued so far is written or
-dropped and returns False on timeout (with no writable server, it times out); `close()` keeps trying for at most
-its `timeout`, then drops what is left (counted) and stops the thread; learners still open when the interpreter
-exits are closed then, at most `EXIT_TIMEOUT` seconds each. In a child made by `os.fork()` a learner starts empty
-(the parent writes what it had queued) on a connection of its own, its thread starts at its first use there, and
-a `multiprocessing` child writes what it learned as it ends (`crest_client._fork`).
+never raises. A daemon thread writes what is queued once its oldest sequence has waited `flush_interval` seconds, or
+as soon as `flush_tokens` tokens wait, as ONE multi-row INSERT into `crest_learned` (`crest_client._learned_rows`:
+token ids as little-endian uint32 bytes, a sequence's figures `STATS` and dense vectors `DENSE` when given) in a
+transaction on its own connection, opened lazily, which also notifies `LEARNED_CHANNEL` (payload: the store) at its
+COMMIT, so a replica's feed reads the rows at once instead of at its next poll. The queue holds at most
+`max_pending_tokens` tokens; beyond that the oldest sequences are dropped and counted (the live tier keeps the most
+recent outputs, so the newest are the ones worth keeping). A batch that no writable server took (down, restarting, a
+failover under way, a standby that answers read-only, a timeout) goes back to the front of the queue and is tried
+again, after `retry_interval` seconds doubling up to `max_retry_interval` while it fails, and written once a
+writable server answers; a batch the database refuses (a schema it lacks) is dropped and counted; one warning per
+outage. Each row is written at most once, and exactly once while the server it was sent to, or a replica promoted in
+its place, keeps its history: the transaction's id (`pg_current_xact_id()`) is read before the INSERT, so when the
+connection dies after the COMMIT was sent the batch keeps it, and once a server answers `pg_xact_status` says
+whether it committed (counted written), aborted or never reached that server (written again) or is still running
+(asked again later). It can still be lost, not doubled: a failover that loses the old primary's last commits
+(asynchronous replication) while the promoted server reuses that id for a transaction of its own that commits, or an
+id too old for the server to know (both taken as written or dropped, never retried). `flush()` waits until
+everything queued so far is written or dropped and returns False on timeout (with no writable server, it times out);
+`close()` keeps trying for at most its `timeout`, then drops what is left (counted) and stops the thread; learners
+still open when the interpreter exits are closed then, at most `EXIT_TIMEOUT` seconds each. In a child made by
+`os.fork()` a learner starts empty (the parent writes what it had queued) on a connection of its own, its thread
+starts at its first use there, and a `multiprocessing` child writes what it learned as it ends
+(`crest_client._fork`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import psycopg
 from crest_client._fork import at_child_exit, renew_in_child
 from crest_client._learned_rows import (
     DENSE,
+    LEARNED_CHANNEL,
     STATS,
     CommitUnknown,
     DenseRows,
@@ -54,11 +57,13 @@ from crest_client._learned_rows import (
 )
 from crest_client.names import check_store_name, resolve_dsn
 
-__all__ = ["DENSE", "EXIT_TIMEOUT", "STATS", "DenseRows", "Learner", "split_stats"]
+__all__ = ["DENSE", "EXIT_TIMEOUT", "LEARNED_CHANNEL", "STATS", "DenseRows", "Learner", "split_stats"]
 
 log = logging.getLogger(__name__)
 
 EXIT_TIMEOUT = 5.0  # seconds an open learner may take to write its queue when the interpreter exits
+
+IDLE_WAIT = 1.0  # seconds an idle writer sleeps between looks at its queue (a queued sequence wakes it at once)
 
 Counter = Callable[[int, int], None]  # (rows, tokens)
 
@@ -166,7 +171,8 @@ class Learner:
         n = int(ids.size)
         if n == 0:
             return
-        item = Item(0, data, n, min(max(0, int(prompt_tokens)), n), figures, fitting(dense, n))
+        item = Item(0, data, n, min(max(0, int(prompt_tokens)), n), figures, fitting(dense, n),
+                    queued_at=time.monotonic())  # fmt: skip
         dropped_rows = dropped_tokens = 0
         with self._cond:
             if self._closing or n > self.max_pending_tokens:
@@ -175,10 +181,11 @@ class Learner:
                 self._wake()
                 self._seq += 1
                 item.seq = self._seq
+                idle = not self._queue
                 self._queue.append(item)
                 self._queued_tokens += n
                 dropped_rows, dropped_tokens = self._trim()
-                if self._queued_tokens >= self.flush_tokens:
+                if idle or self._queued_tokens >= self.flush_tokens:  # the writer's wait starts from this sequence
                     self._cond.notify_all()
         if dropped_rows:
             self._drop(dropped_rows, dropped_tokens)
@@ -246,7 +253,7 @@ class Learner:
                             lambda: self._now, max(0.0, min(delay, self._give_up_at - time.monotonic()))
                         )
                     else:
-                        self._cond.wait_for(self._due, self.flush_interval)
+                        self._await_due()
                     batch = list(self._queue)
                     self._queue.clear()
                     self._queued_tokens = 0
@@ -278,6 +285,19 @@ class Learner:
 
     def _due(self) -> bool:
         return self._now or self._closing or self._queued_tokens >= self.flush_tokens
+
+    def _await_due(self) -> None:
+        """Wait (holding the lock) until the oldest queued sequence has waited `flush_interval`, or a write is due."""
+        while not self._due():
+            if not self._queue:  # idle: a learn(), flush() or close() wakes the thread
+                self._cond.wait(IDLE_WAIT)
+                if not self._queue:
+                    return
+                continue
+            left = self._queue[0].queued_at + self.flush_interval - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _attempt(self, batch: list[Item]) -> list[Item]:
         """Write a batch (settling first the transaction that may have written its front); return what to retry."""

@@ -56,7 +56,7 @@ class LearnOptions:
     refresh_interval: float = DEFAULT_REFRESH_INTERVAL  # 0: this process never refreshes
     refresh_min_tokens: int = DEFAULT_REFRESH_MIN_TOKENS
     max_pending_tokens: int = 1_000_000  # per store: tokens waiting to be written, beyond which the oldest go
-    flush_interval: float = 0.25  # seconds between the learners' writes (other replicas see a row after it)
+    flush_interval: float = 0.05  # seconds a learned row waits at most to be written (replicas are notified then)
     dense_window: int = DEFAULT_LEARN_DENSE_WINDOW  # recorded hidden states a live dense part holds (0: none)
     recent: RecentOptions | None = field(default_factory=RecentOptions)  # None: no recent tier
     feed_interval: float = DEFAULT_FEED_INTERVAL  # seconds between polls of the learned log for other replicas' rows
@@ -134,7 +134,8 @@ class DraftHub:
                 dense_window=learning.dense_window,
             )  # fmt: skip
         if learning is not None and learning.recent is not None and learning.feed_interval > 0:
-            self.feed = LearnedFeed(self.read_dsn, self.recent_indexes, source=source, interval=learning.feed_interval)
+            self.feed = LearnedFeed(self.read_dsn, self.recent_indexes, source=source, interval=learning.feed_interval,
+                                    listen=True, listen_dsn=dsn)  # fmt: skip
 
     def start(self) -> None:
         """Start the refresher and the feed threads."""

@@ -2,9 +2,13 @@
 
 A `LearnedFeed` thread warms every store it is given with the store's last learned tokens (what the fleet served
 before this process started: the database is the durable, shared record) and then polls `crest_learned` every
-`interval` seconds for rows written since, by any process, adding each row (a document: its prompt's tail, then
-its output) to the store's in-memory index. Rows this process wrote itself (`source`) are skipped: they were
-added when they were learned. Identity ids are handed out at INSERT and rows become visible at COMMIT, so ids
+`interval` seconds for rows written since, by any process, adding each row (a document: its prompt's tail, then its
+output) to the store's in-memory index. Between polls it listens on the primary (`listen_dsn`: standbys cannot
+LISTEN) for the NOTIFY a learner sends with every batch it commits (`LEARNED_CHANNEL`), and polls as soon as one
+names a store it feeds: another replica's answer is draftable here a few milliseconds after it is written, not up to
+an interval later. Without a listening connection (none given, or the primary does not answer: tried again every
+`LISTEN_RETRY` seconds) it polls on the interval alone. Rows this process wrote itself (`source`) are skipped: they
+were added when they were learned. Identity ids are handed out at INSERT and rows become visible at COMMIT, so ids
 can appear out of order: each poll also looks `LOOKBACK` ids back and skips the ids it already took. One indexed
 statement per store per poll, on the read DSN (a replica serves it). A database that is down costs the feed its
 polls, never an error: it reconnects and goes on from the last id it took.
@@ -14,12 +18,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
 import psycopg
 from crest_client.hosts import resolve_read_dsn
+from crest_client.learner import LEARNED_CHANNEL
+from crest_client.names import resolve_dsn
 
 from crest.config import DEFAULT_FEED_INTERVAL
 
@@ -27,6 +34,10 @@ log = logging.getLogger(__name__)
 
 LOOKBACK = 1024  # ids below the newest taken that are looked at again (rows committed out of id order)
 _BATCH = 2000  # rows a poll takes at most per store
+
+LISTEN_RETRY = 30.0  # seconds between tries to listen again after the listening connection failed
+
+WAKE_SLICE = 0.1  # seconds a wait for a notification lasts at most before it looks at `wake` and `stop`
 
 
 class Documents(Protocol):
@@ -65,10 +76,17 @@ class LearnedFeed:
         interval: float = DEFAULT_FEED_INTERVAL,
         warm_tokens: int | None = None,
         connect_timeout: float = 2.0,
+        listen: bool = False,
+        listen_dsn: str | None = None,
     ) -> None:
+        """`dsn`: where it polls (a replica may serve it); with `listen`, the notifications of the primary the
+        learners write to (`listen_dsn`, resolved as theirs is) wake it, else it polls on the interval alone."""
         self.dsn, self.indexes, self.source = dsn, indexes, source
+        self.listen, self.listen_dsn = listen, listen_dsn
+        self._listen: psycopg.Connection[Any] | None = None
+        self._listen_at = 0.0  # time.monotonic() from which a listening connection may be tried again
         self.interval, self.warm_tokens, self.connect_timeout = float(interval), warm_tokens, connect_timeout
-        self.counts = {"polls": 0, "rows": 0, "tokens": 0, "failed": 0}
+        self.counts = {"polls": 0, "rows": 0, "tokens": 0, "failed": 0, "notified": 0}
         self._cursors: dict[str, _Cursor] = {}
         self._conn: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
@@ -92,8 +110,9 @@ class LearnedFeed:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._conn is not None:
-            self._conn.close()
+        for conn in (self._conn, self._listen):
+            if conn is not None:
+                conn.close()
 
     def poll(self) -> int:
         """Warm stores not warmed yet and add rows written since the last poll; return rows added."""
@@ -181,5 +200,44 @@ class LearnedFeed:
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None
-            self._wake.wait(self.interval)
+            self._await(self.interval)
             self._wake.clear()
+
+    def _await(self, timeout: float) -> None:
+        """Wait until a learner notifies a batch of a store fed here, `timeout` passes, or `wake`/`stop` is called."""
+        end = time.monotonic() + timeout
+        while not self._wake.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            listen = self._listener()
+            if listen is None:
+                self._wake.wait(left)
+                return
+            try:
+                names = {name for name, _ in self.indexes()}
+                for note in listen.notifies(timeout=min(left, WAKE_SLICE)):
+                    if note.payload in names:
+                        self.counts["notified"] += 1
+                        return
+            except Exception as exc:  # the primary went away: poll on the interval until it answers again
+                log.debug("the learned feed stopped listening (polling on its interval): %s", exc)
+                listen.close()
+                self._listen, self._listen_at = None, time.monotonic() + LISTEN_RETRY
+
+    def _listener(self) -> psycopg.Connection[Any] | None:
+        """Return the connection listening for learned batches (made at need; None: none given, or not now)."""
+        if self._listen is not None and not self._listen.closed:
+            return self._listen
+        if not self.listen or time.monotonic() < self._listen_at:
+            return None
+        try:
+            conn = psycopg.connect(resolve_dsn(self.listen_dsn), autocommit=True, application_name="crest-feed-listen",
+                                   connect_timeout=max(1, round(self.connect_timeout)))  # fmt: skip
+            conn.execute(f"LISTEN {LEARNED_CHANNEL}")
+        except Exception as exc:  # down, or a standby (no LISTEN in recovery): the interval alone, for a while
+            log.debug("the learned feed cannot listen (polling on its interval): %s", exc)
+            self._listen_at = time.monotonic() + LISTEN_RETRY
+            return None
+        self._listen = conn
+        return conn
