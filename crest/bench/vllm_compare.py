@@ -3,7 +3,9 @@
 One vLLM server per method, one after another (`VllmServer`: vLLM's OpenAI server in a subprocess, optionally
 pinned to cores with `taskset`). Against each, every workload runs its passes in order: pass A sends each request
 once at concurrency 1 (first sight), pass B the same requests at concurrency 8 (both servers have seen them once);
-the edit workload then sends its second turns. The chat workload (MT-Bench first turns) gets servers of its own,
+the edit workload then sends its second turns; the restart workload starts a new server and sends humaneval's
+requests once more at concurrency 1 (pass C: crest's recent tier is warmed from the learned log, `suffix`'s cache
+starts empty). The chat workload (MT-Bench first turns) gets servers of its own,
 whose crest proposers draft from a store warmed with the model's own answers to other questions (`warmed_chat_store`:
 ingested from the self corpus once, then reused). crest learns into the shared database (`CREST_LEARN=1`) and what it
 learned is forgotten (`crest forget`) before each crest method's server starts. The fleet runs two replicas, each
@@ -29,6 +31,8 @@ from crest.bench.proposer_lines import ProposerTime, log_size, wait_proposer_lin
 from crest.bench.serve_figures import ServeFigures, Timed, serve_figures
 from crest.bench.vllm_server import VllmServer, counters
 from crest.bench.vllm_workloads import Request, fleet_schedule, same_texts, second_turns, self_corpus_lines
+
+RESTART = "C (after a restart)"  # the humaneval pass of a new server: crest's database remembers, `suffix` starts empty
 
 QUIET = "86400"  # CREST_REPORT_INTERVAL of crest's servers: only the line said once a pass's steps stop
 
@@ -167,6 +171,7 @@ class Workloads:
     edit: list[Request]
     fleet: list[Request]
     chat: list[Request] = field(default_factory=list)
+    restart: bool = False  # after humaneval's passes, a new server sends its requests once more at concurrency 1
 
 
 @dataclass
@@ -241,6 +246,13 @@ def run_method(run: Run, method: Method, workloads: Workloads) -> None:
                 answers = run.reference.get((name, "A"), first)
                 turns = second_turns(requests, answers)
                 run.record(method, name, "turn 2", run_pass(servers, spread(len(turns), c), turns, max_tokens=n))
+    if workloads.restart and workloads.humaneval:  # what a method kept of the prompts it served, once restarted
+        requests = workloads.humaneval
+        run.note(f"restarting vLLM: {method.name}")
+        with run.server(method, tag="-restart") as server:
+            send(server.url, Request(prompt="def warm_up():"), max_tokens=4)
+            found = run_pass([server], spread(len(requests), 1), requests, max_tokens=run.max_tokens)
+            run.record(method, "humaneval", RESTART, found)
 
 
 def run_chat(run: Run, method: Method, requests: Sequence[Request], store: str) -> None:

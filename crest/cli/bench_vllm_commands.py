@@ -19,8 +19,8 @@ def bench_vllm_cmd(
     methods: Annotated[
         str, typer.Option(help="Comma-separated: none, ngram, suffix, crest+prompt-k8, crest+prompt-k16, prompt-k8.")
     ] = "none,ngram,suffix,crest+prompt-k8,crest+prompt-k16",
-    workloads: Annotated[str, typer.Option(help="Comma-separated: humaneval, edit, chat, fleet.")] = (
-        "humaneval,edit,chat,fleet"
+    workloads: Annotated[str, typer.Option(help="Comma-separated: humaneval, edit, chat, fleet, restart.")] = (
+        "humaneval,edit,chat,fleet,restart"
     ),
     fleet_methods: Annotated[str, typer.Option(help="Methods run as a fleet of two one-core replicas.")] = (
         "suffix,crest+prompt-k8"
@@ -47,7 +47,8 @@ def bench_vllm_cmd(
     """Measure vLLM none / ngram / suffix and crest's proposer on the same requests: tokens/s, M, TTFT, ITL, exactness.
 
     Each method gets its own server; pass A sends each request at concurrency 1 (first sight), pass B the same at
-    --concurrency (seen once); the edit workload then sends second turns. The chat workload (MT-Bench first turns)
+    --concurrency (seen once); the edit workload then sends second turns; the restart workload starts a new server
+    and sends humaneval's requests once more (pass C, concurrency 1). The chat workload (MT-Bench first turns)
     runs on servers of its own, crest drafting from --chat-store, a store of the model's own answers to other
     questions (ingested from --chat-corpus on the first run). crest's learned rows are forgotten before each crest
     method. `suffix` needs arctic-inference (.ci/vllm-venv --with-suffix).
@@ -74,7 +75,8 @@ def bench_vllm_cmd(
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     fleet = [m.strip() for m in fleet_methods.split(",") if m.strip()]
     kinds = {w.strip() for w in workloads.split(",") if w.strip()}
-    unknown = [m for m in chosen + fleet if m not in known] + sorted(kinds - {"humaneval", "edit", "chat", "fleet"})
+    workload_names = {"humaneval", "edit", "chat", "fleet", "restart"}
+    unknown = [m for m in chosen + fleet if m not in known] + sorted(kinds - workload_names)
     if unknown:
         raise ConfigError(f"unknown method or workload: {', '.join(unknown)} (methods: {', '.join(known)})")
     if limit < 2 or max_tokens < 1 or concurrency < 1:
@@ -85,10 +87,11 @@ def bench_vllm_cmd(
     prompts = humaneval_requests(load_prompts("humaneval", limit=limit))
     stdlib = Path(sysconfig.get_path("stdlib"))
     work = Workloads(
-        humaneval=prompts if "humaneval" in kinds or "fleet" in kinds else [],
+        humaneval=prompts if kinds & {"humaneval", "fleet", "restart"} else [],
         edit=edit_requests(stdlib_functions(stdlib.glob("*.py"), count=limit)) if "edit" in kinds else [],
         fleet=prompts if "fleet" in kinds else [],
         chat=chat_requests(load_prompts(str(mt_bench_path(mt_bench)), limit=limit)) if "chat" in kinds else [],
+        restart="restart" in kinds,
     )
     run = Run(
         python, str(model_dir), store, out, max_tokens=max_tokens, concurrency=concurrency, cores=cores,
