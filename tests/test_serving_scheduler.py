@@ -390,3 +390,20 @@ def test_packed_batches_draft_more_than_padded_ones_of_unequal_rows() -> None:
     assert batch_draft_sizes([chain], cpu, acceptance_scale=0.8, packed=True) == batch_draft_sizes(
         [chain], cpu, acceptance_scale=0.8
     )
+
+
+@pytest.mark.parametrize("sure_first", [True, False], ids=["sure-first", "guess-first"])
+def test_a_packed_batch_sizes_each_row_a_repeat_keeps_its_chain_beside_a_guess(sure_first: bool) -> None:
+    """vLLM packs rows: a row sure of 16 tokens (a repeat) keeps them while a row on new text keeps its one likely
+    node; one cap for both (a padded batch's rule) cuts the repeat or verifies the guess's unlikely tail."""
+    from crest.decoding.policy import batch_draft_sizes
+
+    k = 16
+    sure = Draft(np.arange(k), np.arange(-1, k - 1, dtype=np.int32), np.full(k, 50), 20, 50)  # path probabilities 1
+    guess = Draft(np.arange(k), np.arange(-1, k - 1, dtype=np.int32), np.array([90] + [5] * (k - 1)), 2, 100)
+    cpu = CostModel([1, 2, 4, 8, 16, 32], [1.0, 1.1, 1.3, 1.7, 2.5, 4.1])  # a verified token: a tenth of a step
+    drafts = [sure, guess] if sure_first else [guess, sure]
+    packed = batch_draft_sizes(drafts, cpu, acceptance_scale=0.8, packed=True)
+    assert packed == ([k, 1] if sure_first else [1, k])
+    padded = batch_draft_sizes(drafts, cpu, acceptance_scale=0.8)
+    assert padded[0] == padded[1]  # one cap: both rows alike

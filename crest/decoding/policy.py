@@ -243,9 +243,11 @@ def batch_draft_sizes(
     packed: bool = False,
     within: np.ndarray | None = None,
 ) -> list[int]:
-    """Return each row's draft size: the common cap that maximises the batch's expected tokens per second.
+    """Return each row's draft size: what maximises the batch's expected tokens per second.
 
-    A padded batch of B rows costs `cost(B * (1 + widest draft))`; a packed one `cost(B + sum of the drafts)`.
+    A padded batch of B rows costs `cost(B * (1 + widest draft))`, so its rows share one cap; a packed one (vLLM)
+    costs `cost(B + sum of the drafts)`, so each row keeps its nodes worth at least one threshold for the batch
+    (`_packed_sizes`): a row sure of a long chain (a repeat) keeps it beside one whose next node is a guess.
     `within`: the drafts' `cumulative_nodes`, when the caller has them.
     """
     rows = len(drafts)
@@ -256,12 +258,39 @@ def batch_draft_sizes(
     if top == 0:
         return [0] * rows
     gains = acceptance_scale * (cumulative_nodes(drafts) if within is None else within)  # [B, k+1]
+    if packed:
+        return _packed_sizes(gains, lengths, cost)
     caps = np.arange(top + 1)
     cut = np.minimum(caps.reshape(-1, 1), lengths.reshape(1, -1))  # [k+1, B] each row's nodes under cap k
     slots = rows + cut.sum(axis=1) if packed else rows * (1 + cut.max(axis=1))  # [k+1] tokens of the forward
     rate = (rows + gains.sum(axis=0)) / cost(slots)
     best = int(np.argmax(rate))  # the first maximum: no draft when nothing pays
     return [int(min(best, n)) for n in lengths.tolist()]
+
+
+def _packed_sizes(gains: np.ndarray, lengths: np.ndarray, cost: CostModel | StepCost) -> list[int]:
+    """Return each packed row's size: its nodes among the batch's n most valuable ones, n the best for the batch.
+
+    Nodes are taken most valuable first (each one's expected accepted tokens); the first n cost `cost(B + n)` and
+    bring B + their values, and the n of the most tokens per second wins (the first maximum: nothing drafted when
+    nothing pays). A row's values never increase along its draft, so what it keeps is a prefix.
+    """
+    rows, top = gains.shape[0], gains.shape[1] - 1
+    if rows == 1:  # one row (a first-sight request alone): its best prefix, without the sort
+        sizes = np.arange(top + 1)
+        return [int(np.argmax((1.0 + gains[0]) / cost(1 + sizes)))]
+    values = np.diff(gains, axis=1)  # [B, k]
+    if int(lengths.min()) == top:  # rows as long as each other (a batch of repeats): no mask
+        values, owner = values.reshape(-1), np.repeat(np.arange(rows), top)  # [N] row by row, nodes in order
+    else:
+        inside = np.arange(top)[None, :] < lengths[:, None]  # [B, k]
+        values, owner = values[inside], np.nonzero(inside)[0]
+    order = np.argsort(-values, kind="stable")  # ties: the earlier row, and within a row the earlier node
+    brought = np.zeros(values.shape[0] + 1)
+    np.cumsum(values[order], out=brought[1:])
+    rate = (rows + brought) / cost(rows + np.arange(values.shape[0] + 1))
+    best = int(np.argmax(rate))
+    return np.bincount(owner[order[:best]], minlength=rows).tolist()
 
 
 def choose_draft_size(draft: Draft, cost: CostModel | StepCost, *, acceptance_scale: float = 1.0) -> int:
