@@ -28,6 +28,8 @@ log = logging.getLogger("crest.integrations.vllm")
 
 LOOKUP_COUNTS = ("lookups", "hits", "timeouts", "errors")  # the `Store.stats` keys said
 
+FEED_COUNTS = ("feed_rows", "feed_notified")  # the learned feed's rows taken and wake-ups by a notification
+
 
 def log_with_vllm() -> None:
     """Send crest's and the SDK's log records through vLLM's handlers, which vLLM sets on its own logger only.
@@ -108,6 +110,9 @@ class DraftReport:
                     f"; store lookups {d['lookups']} (cache hits {d['hits']}, past the timeout {d['timeouts']}, "
                     f"failed {d['errors']})"
                 )
+            if any(k in stats for k in FEED_COUNTS):
+                f = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in FEED_COUNTS}
+                line += f"; other replicas' rows fed {f['feed_rows']} ({f['feed_notified']} notifications)"
             log.info(line)
         self.steps = self.drafted = self.accepted = self.rested = self.chosen = self.kept = 0
         self.seconds, self.per_row, self.cpu = [], [], []

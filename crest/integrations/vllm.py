@@ -227,8 +227,13 @@ class CrestProposer:
         return drafts
 
     def _store_stats(self) -> dict[str, int]:
-        """Return the store's lookup counters (`Store.stats`; none counted before a pending store connects)."""
-        return dict(getattr(self.store, "stats", None) or {})
+        """Return the store's lookup counters (`Store.stats`; none counted before a pending store connects) and the
+        learned feed's (rows from other replicas, notifications that woke it)."""
+        found = dict(getattr(self.store, "stats", None) or {})
+        feed = self.hub.feed
+        if feed is not None:
+            found |= {"feed_rows": int(feed.counts["rows"]), "feed_notified": int(feed.counts["notified"])}
+        return found
 
     def _feed_dense(self, live: list[tuple[int, ProposerRow, int]], batch: RunnerBatch | None) -> None:
         """Hand each dense row the state that predicted its last token (its part is searched with the lookups)."""
