@@ -290,10 +290,9 @@ class Learner:
         """Wait (holding the lock) until the oldest queued sequence has waited `flush_interval`, or a write is due."""
         while not self._due():
             if not self._queue:  # idle: a learn(), flush() or close() wakes the thread
-                self._cond.wait(IDLE_WAIT)
-                if not self._queue:
-                    return
-                continue
+                if self._cond.wait(IDLE_WAIT) and self._queue:
+                    continue
+                return
             left = self._queue[0].queued_at + self.flush_interval - time.monotonic()
             if left <= 0:
                 return
