@@ -126,6 +126,7 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
         r"\([\d.]+ ms per row; CPU p50 [\d.]+ ms\); (\d+) lookups rested \(not worth their CPU\); "
         r"(\d+) of (\d+) chain tokens kept by the cost curve; "
         r"store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
+        r"(?:; a step of 1 / \d+ / \d+ / \d+ tokens costs [\d.]+ / [\d.]+ / [\d.]+ / [\d.]+ ms \(learned\))?"
         r"(?:; other replicas' rows fed \d+ \(\d+ notifications\))?"  # a single process: none
     )
     found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
@@ -141,6 +142,10 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
     assert rested == proposer.gate.rested
     assert found[-1][3:5] == [runner.drafted, runner.accepted]  # since start: what vLLM's counters say
     assert lookups > 0 and timeouts == failed == 0
+    widths = " / ".join(str(t) for t in (1, 1 + K // 4, 1 + K // 2, 1 + K))  # no draft, K/4, K/2 and K draft tokens
+    costs = re.search(rf"a step of {widths} tokens costs ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) ms", caplog.text)
+    assert costs is not None, caplog.text  # what the proposer learned a step costs
+    assert 0 < float(costs.group(1)) <= float(costs.group(4))
 
 
 def test_crest_logs_through_vllms_handlers_when_vllm_has_them(monkeypatch: pytest.MonkeyPatch) -> None:

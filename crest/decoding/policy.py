@@ -136,6 +136,11 @@ class DraftPolicy:
         """Return the decayed number of weight-predicted nodes verified so far (below 2: still exploring)."""
         return self._predicted
 
+    @property
+    def sized(self) -> bool:
+        """Return whether the cost curve was made (a batch was sized): before that, no step cost is known."""
+        return self._cost is not None
+
     def cost(self) -> StepCost:
         """Return the step cost curve (the prior, called when first needed, corrected by `observe_cost`)."""
         if self._cost is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -52,8 +52,16 @@ def log_with_vllm() -> None:
 class DraftReport:
     """Counts a proposer's steps, drafts and accepted tokens, and says them with its store's lookups now and then."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, int]] | None, *, every: float) -> None:
-        self.stats, self.every = stats, every
+    def __init__(
+        self,
+        stats: Callable[[], Mapping[str, int]] | None,
+        *,
+        every: float,
+        costs: Callable[[], Sequence[tuple[int, float]]] | None = None,
+    ) -> None:
+        """`stats`: the store's lookup and feed counters; `costs`: (tokens, seconds) of a step as the cost curve
+        the proposer learned estimates them (empty before any step was sized)."""
+        self.stats, self.every, self.costs = stats, every, costs
         self.steps = self.drafted = self.accepted = self.rested = 0
         self.chosen = self.kept = 0  # chain tokens drafted, and kept by the cost curve, since the last line
         self.total_drafted = self.total_accepted = 0
@@ -110,6 +118,10 @@ class DraftReport:
                     f"; store lookups {d['lookups']} (cache hits {d['hits']}, past the timeout {d['timeouts']}, "
                     f"failed {d['errors']})"
                 )
+            learned = list(self.costs()) if self.costs is not None else []
+            if learned:
+                shown = " / ".join(f"{ms * 1e3:.1f}" for _, ms in learned)
+                line += f"; a step of {' / '.join(str(t) for t, _ in learned)} tokens costs {shown} ms (learned)"
             if any(k in stats for k in FEED_COUNTS):
                 f = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in FEED_COUNTS}
                 line += f"; other replicas' rows fed {f['feed_rows']} ({f['feed_notified']} notifications)"

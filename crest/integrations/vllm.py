@@ -107,7 +107,7 @@ class CrestProposer:
         self.gate = LookupGate()  # which rows' lookups pay for their CPU time
         self._failures = 0
         stats = self._store_stats if self.store is not None else None
-        self.report = DraftReport(stats, every=self.settings.report_interval)
+        self.report = DraftReport(stats, every=self.settings.report_interval, costs=self._learned_costs)
         # vLLM calls no proposer after a batch's last step: its last requests are learned once steps stop
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
@@ -225,6 +225,13 @@ class CrestProposer:
         self.report.step(seconds=time.perf_counter() - start, cpu=time.thread_time() - cpu, rows=rows,
                          rested=self.gate.rested - rested)  # fmt: skip
         return drafts
+
+    def _learned_costs(self) -> list[tuple[int, float]]:
+        """Return (tokens, seconds) of a one-row step without a draft, with K/4, K/2 and K draft tokens, as learned."""
+        if not self.policy.sized:
+            return []
+        tokens = sorted({1, 1 + self.k // 4, 1 + self.k // 2, 1 + self.k})
+        return list(zip(tokens, self.policy.cost()(np.asarray(tokens)).tolist(), strict=True))
 
     def _store_stats(self) -> dict[str, int]:
         """Return the store's lookup counters (`Store.stats`; none counted before a pending store connects) and the
