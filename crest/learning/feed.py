@@ -6,10 +6,10 @@ before this process started: the database is the durable, shared record) and the
 output) to the store's in-memory index. Between polls it listens on the primary (`listen_dsn`: standbys cannot
 LISTEN) for the NOTIFY a learner sends with every batch it commits (`LEARNED_CHANNEL`), and polls as soon as one
 names a store it feeds: another replica's answer is draftable here a few milliseconds after it is written, not up to
-an interval later. Without a listening connection (none given, or the primary does not answer: tried again every
-`LISTEN_RETRY` seconds) it polls on the interval alone. Rows this process wrote itself (`source`) are skipped: they
-were added when they were learned. Identity ids are handed out at INSERT and rows become visible at COMMIT, so ids
-can appear out of order: each poll also looks `LOOKBACK` ids back and skips the ids it already took. One indexed
+an interval later. Without a listening connection (not asked to listen, or the primary does not answer: tried again
+every `LISTEN_RETRY` seconds) it polls on the interval alone. Rows this process wrote itself (`source`) are skipped:
+they were added when they were learned. Identity ids are handed out at INSERT and rows become visible at COMMIT, so
+ids can appear out of order: each poll also looks `LOOKBACK` ids back and skips the ids it already took. One indexed
 statement per store per poll, on the read DSN (a replica serves it). A database that is down costs the feed its
 polls, never an error: it reconnects and goes on from the last id it took.
 """
@@ -231,12 +231,15 @@ class LearnedFeed:
             return self._listen
         if not self.listen or time.monotonic() < self._listen_at:
             return None
+        conn = None
         try:
             conn = psycopg.connect(resolve_dsn(self.listen_dsn), autocommit=True, application_name="crest-feed-listen",
                                    connect_timeout=max(1, round(self.connect_timeout)))  # fmt: skip
             conn.execute(f"LISTEN {LEARNED_CHANNEL}")
         except Exception as exc:  # down, or a standby (no LISTEN in recovery): the interval alone, for a while
             log.debug("the learned feed cannot listen (polling on its interval): %s", exc)
+            if conn is not None:
+                conn.close()
             self._listen_at = time.monotonic() + LISTEN_RETRY
             return None
         self._listen = conn
