@@ -459,7 +459,9 @@ def test_server_down_gives_fast_misses_and_the_same_store_reconnects(
         assert store.stats["errors"] > 0
         running.start()
         assert draft_key(wait_for_draft(store, hit)) == expected[tuple(hit)]
-        assert {tuple(c): draft_key(store.draft(c)) for c in CONTEXTS} == expected
+        # every context drafts as before: a lookup past its 10 ms timeout (a loaded machine) is a miss, asked again
+        again = {tuple(c): wait_for_draft(store, c) if expected[tuple(c)] else store.draft(c) for c in CONTEXTS}
+        assert {c: draft_key(d) for c, d in again.items()} == expected
 
 
 @pytest.mark.parametrize("table", ["partition", "crest_stores"], ids=["partition-locked", "catalog-locked"])
