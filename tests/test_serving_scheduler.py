@@ -309,6 +309,21 @@ def test_step_cost_follows_observed_steps_and_shrinks_drafts() -> None:
     assert batch_draft_sizes([chain] * 16, cost, acceptance_scale=0.5)[0] < wide
 
 
+@pytest.mark.parametrize("widths", [(1, 5, 6, 9, 17), (1, 3, 7, 12, 24)], ids=["mid-buckets", "bucket-edges"])
+def test_step_cost_estimates_the_widths_it_observed(widths: tuple[int, ...]) -> None:
+    """vLLM's CPU build: a flat prior, steps that cost 45 ms + 4 ms a draft token. Each power-of-two bucket's ratio
+    stands at the widths its steps had: placed at the bucket's lower edge, a step of 5 came out 7% dear."""
+    from crest.decoding.policy import StepCost
+    from crest.integrations.vllm import PRIOR_COST
+
+    cost = StepCost(PRIOR_COST)
+    for _ in range(30):
+        for k in widths:
+            cost.observe(k, 0.045 + 0.004 * (k - 1))
+    for k in widths:
+        assert float(cost(k)) == pytest.approx(0.045 + 0.004 * (k - 1), rel=0.02), k
+
+
 def test_a_policy_that_saw_only_narrow_steps_still_drafts_a_wide_batch_on_an_engine_where_width_is_free() -> None:
     """A vLLM proposer that served one request at a time, then sees 16 (a GPU: 20 ms a step, however wide), with
     chains it is sure of but an acceptance estimate at its floor: it drafts, since the wide step's cost is not known

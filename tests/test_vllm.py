@@ -127,6 +127,7 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
         r"(\d+) of (\d+) chain tokens kept by the cost curve; "
         r"store lookups (\d+) \(cache hits (\d+), past the timeout (\d+), failed (\d+)\)"
         r"(?:; a step of 1 / \d+ / \d+ / \d+ tokens costs [\d.]+ / [\d.]+ / [\d.]+ / [\d.]+ ms \(learned\))?"
+        r"(?:; draft nodes predicted:accepted [\d.]+:[\d.]+(?: [\d.]+:[\d.]+)* \(learned\))?"
         r"(?:; other replicas' rows fed \d+ \(\d+ notifications\))?"  # a single process: none
     )
     found = [[int(x) for x in m.groups()] for m in map(line.fullmatch, caplog.messages) if m]
@@ -146,6 +147,10 @@ def test_proposer_says_its_drafts_and_the_stores_lookups(
     costs = re.search(rf"a step of {widths} tokens costs ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+) ms", caplog.text)
     assert costs is not None, caplog.text  # what the proposer learned a step costs
     assert 0 < float(costs.group(1)) <= float(costs.group(4))
+    bands = re.findall(r"draft nodes predicted:accepted ([\d.: ]+) \(learned\)", caplog.text)
+    assert bands, caplog.text  # how often the chains' nodes were accepted, by their predicted probability
+    pairs = [tuple(map(float, b.split(":"))) for b in bands[-1].split()]
+    assert all(0 < p <= 1 and 0 <= a <= 1 for p, a in pairs) and any(a > 0 for _, a in pairs)
 
 
 def test_crest_logs_through_vllms_handlers_when_vllm_has_them(monkeypatch: pytest.MonkeyPatch) -> None:

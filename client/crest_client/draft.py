@@ -102,7 +102,7 @@ def with_chain_probabilities(draft: Draft) -> Draft:
     total its consumed head's weight), so a proposer's stream skips the checks at every step.
     """
     if draft.probabilities is None and len(draft):
-        prob = draft.weights / float(max(int(draft.weights[0]), int(draft.total)))  # `_path_probabilities`' division
+        prob = draft.weights / _head_weight(draft)  # `_path_probabilities`' division
         prob.flags.writeable = False
         object.__setattr__(draft, "probabilities", prob)
     return draft
@@ -121,7 +121,12 @@ def chain_scale(draft: Draft) -> float | None:
     w = draft.weights.tolist()
     if w[-1] <= 0 or any(b > a for a, b in zip(w, w[1:], strict=False)):
         return None
-    return float(max(w[0], int(draft.total)))
+    return _head_weight(draft)
+
+
+def _head_weight(draft: Draft) -> float:
+    """Return the weight a chain's path probabilities divide by: its first weight, or the root's total if larger."""
+    return float(max(int(draft.weights[0]), int(draft.total)))
 
 
 def shallow_probabilities(draft: Draft, depth: int) -> list[float]:

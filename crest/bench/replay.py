@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from crest_client.draft import Draft, empty_draft
 
+from crest.decoding.acceptance import tree_hits
 from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import feed_hidden, final_hidden, wants_hidden
 from crest.decoding.policy import DraftPolicy, room_left
@@ -81,9 +82,11 @@ def replay(
             tree = empty_draft() if policy.skip(1) else policy.draft(drafter, context, room=room)
             latencies.append(time.perf_counter() - t0)
             (tree,), predicted = policy.size([tree])
-            accepted = matched_depth(tree, out[done:]) if len(tree) else 0
+            path = match_path(tree, out[done:]) if len(tree) else []
+            accepted = len(path)
             if len(tree):
-                policy.observe(accepted=accepted, predicted=predicted)
+                probabilities, hits = tree_hits(tree, path)
+                policy.observe(accepted=accepted, predicted=predicted, probabilities=probabilities, hits=hits)
         else:
             found = drafter.draft(context, max_nodes) if room > 0 else None
             latencies.append(time.perf_counter() - t0)

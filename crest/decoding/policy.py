@@ -8,20 +8,22 @@ about `cost(B * S)` (the calibrated single-sequence curve, corrected by observed
 policy keeps the common cap k that maximises the batch's expected tokens per second, (B + the rows' expected
 accepted nodes within k) / cost(B * (1 + k)); for one row that is the best prefix of its draft. Expected
 accepted nodes are the draft's path probabilities times an acceptance scale learned from decayed sums of
-accepted and predicted nodes (`observe`). When nothing pays, the policy backs off (`skip`: a few steps without
-asking the drafters, doubling up to `MAX_BACKOFF`) and now and then verifies a small probe anyway, since an
-acceptance estimate that never sees a verified draft cannot learn.
+accepted and predicted nodes (`observe`, `crest.decoding.acceptance`). When nothing pays, the policy backs off (`skip`:
+a few steps without asking the drafters, doubling up to `MAX_BACKOFF`) and now and then verifies a small probe
+anyway, since an acceptance estimate that never sees a verified draft cannot learn.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from crest_client.draft import Draft, empty_draft, path_probabilities
 
+from crest.decoding.acceptance import Acceptance
 from crest.decoding.sizing import CostModel
 from crest.decoding.tree import check_draft, limit_depth
 from crest.errors import ConfigError
@@ -34,19 +36,21 @@ EXPLORE_NODES = 4  # at most this many nodes per row in such a probe: enough to 
 
 MAX_BACKOFF = 8  # at most this many steps without drafting after tries at one batch size that did not pay
 
-DECAY = 0.95  # per verified step: the acceptance correction follows the last ~20 steps
-
-SCALE_BOUNDS = (0.05, 1.5)  # clip of the acceptance scale
-
 
 class StepCost:
-    """The calibrated cost curve times the observed ratio of step time to it, per power-of-two token count."""
+    """The calibrated cost curve times the observed ratio of step time to it, per power-of-two token count.
+
+    Each bucket's ratio stands at the mean width its steps had (log2), not at its lower edge: a bucket of 4-7
+    tokens observed at 5 and 6 must not say what 4 costs, or the curve runs a bucket ahead of the steps (on a CPU,
+    where width costs, a step of 5 was estimated 7% dearer than it was, and chains were cut short).
+    """
 
     BUCKETS = 16  # token counts 1 .. 2^15
 
     def __init__(self, prior: CostModel, *, decay: float = 0.8) -> None:
         self.prior, self.decay = prior, decay
         self.ratio = np.full(self.BUCKETS, np.nan)  # [buckets] seconds observed / prior seconds, decayed
+        self.at = np.full(self.BUCKETS, np.nan)  # [buckets] log2 of the token counts observed there, decayed mean
         self.largest = 0  # the most slots a step observed had
         self._seen = np.zeros(0, dtype=np.int64)  # the buckets observed, ascending
         self._priors: dict[int, float] = {}  # the prior at each token count observed (a proposer observes every step)
@@ -62,14 +66,15 @@ class StepCost:
         if tokens < 1 or seconds <= 0 or expected <= 0:
             return
         b = min(self.BUCKETS - 1, tokens.bit_length() - 1)
-        r = seconds / expected
+        r, at = seconds / expected, math.log2(tokens)
         self.largest = max(self.largest, tokens)
         old = float(self.ratio[b])
         if old != old:  # NaN: the bucket's first step
-            self.ratio[b] = r
+            self.ratio[b], self.at[b] = r, at
             self._seen = np.flatnonzero(~np.isnan(self.ratio))
         else:
             self.ratio[b] = self.decay * old + (1.0 - self.decay) * r
+            self.at[b] = self.decay * float(self.at[b]) + (1.0 - self.decay) * at
 
     def __call__(self, k: np.ndarray | int) -> np.ndarray:
         """Return the estimated seconds of a step of `k` slots: the prior, scaled as observed nearby; beyond the
@@ -83,13 +88,13 @@ class StepCost:
         seen = self._seen
         if not seen.shape[0]:
             return self.prior(k)
-        ratios = self.ratio[seen]
+        ratios, at = self.ratio[seen], self.at[seen]  # each bucket's ratio at the mean width it was observed at
         if k.size and float(k.max()) > self.largest:  # the widest step observed, last (one call of the prior)
             sizes = np.append(k, float(self.largest))  # [n + 1]
-            scale = np.interp(np.log2(np.maximum(sizes, 1.0)), seen, ratios)  # nearest beyond the ends
+            scale = np.interp(np.log2(np.maximum(sizes, 1.0)), at, ratios)  # nearest beyond the ends
             cost = self.prior(sizes) * scale
             return np.where(k > self.largest, np.minimum(cost[:-1], cost[-1]), cost[:-1]).reshape(k.shape)
-        scale = np.interp(np.log2(np.maximum(k, 1.0)), seen, ratios)
+        scale = np.interp(np.log2(np.maximum(k, 1.0)), at, ratios)
         return np.asarray(self.prior(k) * scale).reshape(k.shape)
 
 
@@ -120,7 +125,7 @@ class DraftPolicy:
         self.packed = packed
         self._source = cost
         self._cost: StepCost | None = None
-        self._accepted, self._predicted = 0.0, 0.0  # decayed sums for the acceptance correction
+        self.acceptance = Acceptance()  # how much of the verified drafts was accepted, overall and per band
         self._idle = 0  # steps since a draft was last verified
         self._backoff = self._skip = self._skip_rows = 0  # steps to draft nothing after a try that did not pay
         self._warned: set[tuple[str, str]] = set()
@@ -128,13 +133,12 @@ class DraftPolicy:
     @property
     def acceptance_scale(self) -> float:
         """Return the observed ratio of accepted to weight-predicted draft nodes (0.5 before any step)."""
-        low, high = SCALE_BOUNDS  # Python floats: read every step
-        return min(high, max(low, (self._accepted + 0.5) / (self._predicted + 1.0)))
+        return self.acceptance.scale
 
     @property
     def evidence(self) -> float:
         """Return the decayed number of weight-predicted nodes verified so far (below 2: still exploring)."""
-        return self._predicted
+        return self.acceptance.evidence
 
     @property
     def sized(self) -> bool:
@@ -193,22 +197,25 @@ class DraftPolicy:
         rows = np.arange(len(drafts))
         if not self.adaptive:
             return drafts, within[rows, [len(d) for d in drafts]].tolist()
-        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance_scale, packed=self.packed,
+        sizes = batch_draft_sizes(drafts, self.cost(), acceptance_scale=self.acceptance.scale, packed=self.packed,
                                   within=within)  # fmt: skip
         paid = any(sizes)
         self._idle = 0 if paid else self._idle + 1
         self._backoff = 0 if paid else min(MAX_BACKOFF, max(1, 2 * self._backoff))
         self._skip, self._skip_rows = self._backoff, len(drafts)
-        if not paid and (self._predicted < 2.0 or self._idle >= EXPLORE_EVERY * len(drafts)):
+        if not paid and (self.acceptance.evidence < 2.0 or self._idle >= EXPLORE_EVERY * len(drafts)):
             # without verified drafts the acceptance estimate cannot learn: now and then verify a few nodes (less
             # often as the batch grows, since every row then pads to the probe's width)
             sizes, self._idle = [min(len(d), EXPLORE_NODES) for d in drafts], 0
         return [d.truncate(k) for d, k in zip(drafts, sizes, strict=True)], within[rows, sizes].tolist()
 
-    def observe(self, *, accepted: int, predicted: float) -> None:
-        """Fold one verified step's accepted and weight-predicted draft nodes into the acceptance correction."""
-        self._accepted = DECAY * self._accepted + accepted
-        self._predicted = DECAY * self._predicted + predicted
+    def observe(
+        self, *, accepted: int, predicted: float, probabilities: np.ndarray | None = None,
+        hits: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        """Fold one verified step into the acceptance scale: its accepted and weight-predicted draft nodes, and each
+        verified node's path probability and whether it was accepted, when known (`chain_hits`, `slot_hits`)."""
+        self.acceptance.observe(accepted=accepted, predicted=predicted, probabilities=probabilities, hits=hits)
 
     def observe_cost(self, tokens: int, seconds: float) -> None:
         """Record that a forward of `tokens` slots took `seconds` (nothing before sizing first needed the curve)."""

@@ -58,10 +58,12 @@ class DraftReport:
         *,
         every: float,
         costs: Callable[[], Sequence[tuple[int, float]]] | None = None,
+        acceptance: Callable[[], Sequence[tuple[float, float, float]]] | None = None,
     ) -> None:
         """`stats`: the store's lookup and feed counters; `costs`: (tokens, seconds) of a step as the cost curve
-        the proposer learned estimates them (empty before any step was sized)."""
-        self.stats, self.every, self.costs = stats, every, costs
+        the proposer learned estimates them (empty before any step was sized); `acceptance`: (mean prediction,
+        share accepted, decayed nodes) of each band of predicted probability (`AcceptanceCurve.bands`)."""
+        self.stats, self.every, self.costs, self.acceptance = stats, every, costs, acceptance
         self.steps = self.drafted = self.accepted = self.rested = 0
         self.chosen = self.kept = 0  # chain tokens drafted, and kept by the cost curve, since the last line
         self.total_drafted = self.total_accepted = 0
@@ -120,8 +122,12 @@ class DraftReport:
                 )
             learned = list(self.costs()) if self.costs is not None else []
             if learned:
-                shown = " / ".join(f"{ms * 1e3:.1f}" for _, ms in learned)
+                shown = " / ".join(f"{seconds * 1e3:.1f}" for _, seconds in learned)
                 line += f"; a step of {' / '.join(str(t) for t, _ in learned)} tokens costs {shown} ms (learned)"
+            bands = [b for b in (self.acceptance() if self.acceptance is not None else []) if b[2] >= 1.0]
+            if bands:
+                shown = " ".join(f"{p:.2f}:{a:.2f}" for p, a, _ in bands)
+                line += f"; draft nodes predicted:accepted {shown} (learned)"
             if any(k in stats for k in FEED_COUNTS):
                 f = {k: int(stats.get(k, 0)) - int(self._seen.get(k, 0)) for k in FEED_COUNTS}
                 line += f"; other replicas' rows fed {f['feed_rows']} ({f['feed_notified']} notifications)"

@@ -36,6 +36,7 @@ import numpy as np
 from crest_client.draft import empty_draft
 
 from crest.config import VllmSettings, vllm_settings
+from crest.decoding.acceptance import chain_hits
 from crest.decoding.hidden import feed_hidden, model_fingerprint
 from crest.decoding.policy import DraftPolicy, room_left
 from crest.decoding.sizing import CostModel
@@ -107,7 +108,8 @@ class CrestProposer:
         self.gate = LookupGate()  # which rows' lookups pay for their CPU time
         self._failures = 0
         stats = self._store_stats if self.store is not None else None
-        self.report = DraftReport(stats, every=self.settings.report_interval, costs=self._learned_costs)
+        self.report = DraftReport(stats, every=self.settings.report_interval, costs=self._learned_costs,
+                                  acceptance=self.policy.acceptance.bands)  # fmt: skip
         # vLLM calls no proposer after a batch's last step: its last requests are learned once steps stop
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
@@ -179,7 +181,7 @@ class CrestProposer:
         rows = len(sampled)
         keys = batch.ids if batch is not None else [f"row{i}" for i in range(rows)]
         accepted = predicted = 0.0
-        verified = False
+        checked: list[tuple[Any, int]] = []  # (chain, its tokens accepted) of each row whose chain this step verified
         live: list[tuple[int, ProposerRow, int]] = []  # (row, state, room) of the rows to draft for
         for i in range(rows):
             n = int(lengths[i])
@@ -188,7 +190,8 @@ class CrestProposer:
             at = len(row.tokens)
             if new and row.chain_at == at and len(row.chain):  # the step verified our last chain
                 got = row.verified(new)
-                accepted, verified = accepted + got, True
+                accepted = accepted + got
+                checked.append((row.chain, got))
                 predicted += row.predicted
                 self.report.verified(len(row.chain), got)
             row.chain, row.chain_at = empty_draft(), -1
@@ -207,8 +210,9 @@ class CrestProposer:
             room = self._room(row, request)
             if room > 0:
                 live.append((i, row, room))
-        if verified:
-            self.policy.observe(accepted=int(accepted), predicted=predicted)
+        if checked:
+            probabilities, hits = chain_hits([c for c, _ in checked], [g for _, g in checked])
+            self.policy.observe(accepted=int(accepted), predicted=predicted, probabilities=probabilities, hits=hits)
         self.gate.step(sum(len(new) for new in sampled), now=now)
         self._observe_cost(now, rows, batch)
         self._forget(set(keys))
