@@ -4,6 +4,7 @@ continuations as long as the match is deep, eviction beyond its capacity, and fo
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -155,6 +156,60 @@ def test_a_fold_started_with_empty_tails_is_still_the_only_fold(monkeypatch: pyt
         assert index.draft(doc[:20], 8).tokens.tolist() == doc[20:28]  # type: ignore[union-attr]
     index.compact()
     assert index.draft(second[:20], 8).tokens.tolist() == second[20:28]  # type: ignore[union-attr]
+
+
+def test_a_fold_an_add_starts_runs_beside_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The add that fills a tail starts its fold on a thread of its own: the sort (tens of milliseconds at a
+    million tokens) never lands on the step that learned a request, and appends and lookups go on meanwhile."""
+    import crest.drafters.recent as recent
+
+    main = threading.current_thread()
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowSort:  # numpy, whose sort waits when a thread other than the caller's folds
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        def argsort(self, a: np.ndarray, kind: str = "quicksort") -> np.ndarray:
+            if threading.current_thread() is not main:
+                entered.set()
+                release.wait(30)
+            return np.argsort(a, kind="stable" if kind == "stable" else "quicksort")
+
+    monkeypatch.setattr(recent, "np", SlowSort())
+    index = RecentIndex()
+    docs = [_doc(300) for _ in range(240)]  # 72,000 tokens: past the 65,536 a tail holds before its fold
+    try:
+        for doc in docs:
+            index.add(doc)
+        assert entered.wait(30)  # a fold started, and waits in its sort
+        later = _doc(300)
+        index.add(later)
+        for doc in (docs[0], docs[-1], later):
+            assert index.draft(doc[:20], 8).tokens.tolist() == doc[20:28]  # type: ignore[union-attr]
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while index._folding and time.monotonic() < deadline:  # the fold's thread ends
+        time.sleep(0.01)  # polling a condition under a deadline
+    assert not index._folding
+    for level in index._levels:  # folded: the tails hold only what came after the fold started
+        assert level.sorted_h.shape[0] > 60_000 and len(level.tail) < 10_000
+    for doc in (*docs[::40], later):
+        assert index.draft(doc[:20], 8).tokens.tolist() == doc[20:28]  # type: ignore[union-attr]
+
+
+def test_the_tails_hold_nothing_the_garbage_collector_tracks() -> None:
+    """A tail of a list per hash made the cyclic collector walk tens of thousands of lists (tens of milliseconds
+    in whichever step allocated); a tail's hash chains are ints."""
+    import gc
+
+    index = RecentIndex()
+    for _ in range(20):
+        index.add(_doc(300))
+    for level in index._levels:
+        assert len(level.tail) > 5000
+        assert not gc.is_tracked(level.tail.last)  # a dict of ints only
 
 
 def test_the_drafter_names_its_part() -> None:

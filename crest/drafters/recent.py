@@ -6,7 +6,8 @@ microseconds, so a response served a moment ago drafts the next request's step, 
 learner is handed it and on every other replica as soon as the learned log is polled (`crest.drafting.feed`).
 Positions are found by a hash of the last `key` tokens at two key lengths (a short one that finds any match and
 a long one that finds deep matches among many shallow ones), each an LSM pair: a sorted block searched by
-bisection and a small unsorted tail appended to by `add` and folded in by `compact`. The candidates' true match
+bisection and an unsorted tail appended to by `add` (hash chains of ints: nothing the garbage collector walks) and
+folded in by `compact` on a thread of its own, started by the add that fills it. The candidates' true match
 depth is then measured backwards (up to `max_depth` tokens); the deepest ones' continuations, as long as the match
 is deep (suffix decoding's rule: a deep match earns a long draft), make the tree. Thread-safe: one lock, held for
 lookups and appends, never across a sort.
@@ -14,6 +15,7 @@ lookups and appends, never across a sort.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from crest_client.draft import Draft
 
 from crest.drafters.trie import build_draft
 from crest.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # the hash's multiplier (odd: a bijection per step)
 _SEP = -1  # between documents: matches and continuations never cross it
@@ -49,44 +53,85 @@ class RecentOptions:
         return self
 
 
+class _Tail:
+    """Positions appended since the last fold, in order, each chained to the one before it under the same hash.
+
+    Parallel lists of Python ints and a dict of ints, not a list per hash: the cyclic garbage collector tracks
+    every list, and a tail of 65,536 lists made full collections (tens of milliseconds, in whatever step
+    allocated) that appends and lookups paid for.
+    """
+
+    __slots__ = ("hashes", "positions", "before", "last")
+
+    def __init__(self) -> None:
+        self.hashes: list[int] = []
+        self.positions: list[int] = []  # ascending
+        self.before: list[int] = []  # entry -> the previous entry under its hash (-1: none)
+        self.last: dict[int, int] = {}  # hash -> its latest entry
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def append(self, hashes: list[int], positions: list[int]) -> None:
+        before, last = self.before, self.last
+        get = last.get  # bound once: this loop runs for every token a finished request served
+        for i, h in enumerate(hashes, len(self.positions)):
+            before.append(get(h, -1))
+            last[h] = i
+        self.hashes.extend(hashes)
+        self.positions.extend(positions)
+
+    def newest(self, h: int, limit: int) -> list[int]:
+        """Return up to `limit` positions under hash `h`, newest first."""
+        found: list[int] = []
+        i, before, positions = self.last.get(h, -1), self.before, self.positions
+        while i >= 0 and len(found) < limit:
+            found.append(positions[i])
+            i = before[i]
+        return found
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return the (hash, position) pairs as arrays [N], positions ascending."""
+        return np.array(self.hashes, dtype=np.uint64), np.array(self.positions, dtype=np.int64)
+
+
 class _Level:
-    """Positions by the hash of the `k` tokens ending there: a sorted block, and a dict of those appended since."""
+    """Positions by the hash of the `k` tokens ending there: a sorted block, and a tail of those appended since."""
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.sorted_h = np.zeros(0, dtype=np.uint64)
         self.sorted_p = np.zeros(0, dtype=np.int64)  # absolute positions, ascending within one hash
-        self.tail: dict[int, list[int]] = {}  # hash -> positions appended since the last fold, ascending
-        self.folding: dict[int, list[int]] = {}  # the tail being folded into the sorted block (older than `tail`)
-        self.tail_n = 0
+        self.tail = _Tail()  # positions appended since the last fold
+        self.folding = _Tail()  # the tail being folded into the sorted block (older than `tail`)
 
     def append(self, hashes: np.ndarray, positions: np.ndarray) -> None:
-        tail = self.tail
-        for h, p in zip(hashes.tolist(), positions.tolist(), strict=True):
-            found = tail.get(h)
-            if found is None:
-                tail[h] = [p]
-            else:
-                found.append(p)
-        self.tail_n += hashes.shape[0]
+        self.tail.append(hashes.tolist(), positions.tolist())
 
     def find(self, h: int, limit: int) -> np.ndarray:
         """Return the (at most `limit`) most recent positions indexed under hash `h`, ascending."""
+        new = self.tail.newest(h, limit)
+        if len(new) < limit:
+            new += self.folding.newest(h, limit - len(new))
         key = np.uint64(h)
         lo = np.searchsorted(self.sorted_h, key, side="left")
         hi = np.searchsorted(self.sorted_h, key, side="right")
-        old = self.sorted_p[max(lo, hi - limit) : hi]
-        new = self.folding.get(h, []) + self.tail.get(h, [])
+        old = self.sorted_p[max(lo, hi - (limit - len(new))) : hi]
         if not new:
             return old
-        return np.concatenate([old, np.asarray(new[-limit:], dtype=np.int64)])[-limit:]
+        return np.concatenate([old, np.asarray(new[::-1], dtype=np.int64)])
 
-    def start_fold(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Set the tail aside for folding (a fresh tail takes appends); return the sorted block and its pairs."""
-        self.folding, self.tail, self.tail_n = self.tail, {}, 0
-        hs = [h for h, ps in self.folding.items() for _ in ps]
-        ps = [p for ps in self.folding.values() for p in ps]
-        return self.sorted_h, self.sorted_p, np.asarray(hs, dtype=np.uint64), np.asarray(ps, dtype=np.int64)
+    def start_fold(self) -> tuple[np.ndarray, np.ndarray, _Tail]:
+        """Set the tail aside for folding (a fresh tail takes appends); return the sorted block and the set-aside
+        tail (read outside the lock: nothing appends to it any more)."""
+        self.folding, self.tail = self.tail, _Tail()
+        return self.sorted_h, self.sorted_p, self.folding
+
+    def restore(self) -> None:
+        """Put a set-aside tail back in front of what was appended since (a fold that failed)."""
+        tail, since = self.folding, self.tail
+        tail.append(since.hashes, since.positions)
+        self.tail, self.folding = tail, _Tail()
 
 
 def _hashes(tokens: np.ndarray, k: int) -> np.ndarray:
@@ -148,9 +193,9 @@ class RecentIndex:
                 hashes = _hashes(doc, level.k)
                 level.append(hashes, start + level.k - 1 + np.arange(hashes.shape[0], dtype=np.int64))
             self.documents += 1
-            fold = any(level.tail_n > max(65_536, level.sorted_h.shape[0] // 2) for level in self._levels)
-        if fold:
-            self.compact()
+            fold = any(len(level.tail) > max(65_536, level.sorted_h.shape[0] // 2) for level in self._levels)
+        if fold:  # the sort takes tens of milliseconds at a million tokens: never on the caller's step
+            threading.Thread(target=self._fold_quietly, name="crest-recent-fold", daemon=True).start()
 
     def compact(self) -> None:
         """Fold the appended tails into the sorted blocks and evict what lies beyond the capacity."""
@@ -162,7 +207,8 @@ class RecentIndex:
             taken = [level.start_fold() for level in self._levels]
         merged = []
         try:
-            for sh, sp, th, tp in taken:  # the sort runs outside the lock: lookups and appends go on
+            for sh, sp, tail in taken:  # the sort runs outside the lock: lookups and appends go on
+                th, tp = tail.pairs()
                 h, p = np.concatenate([sh, th]), np.concatenate([sp, tp])
                 keep = p >= cutoff
                 h, p = h[keep], p[keep]
@@ -171,20 +217,23 @@ class RecentIndex:
         except BaseException:
             with self._lock:  # nothing folded: the set-aside tails go back in front of what came since
                 for level in self._levels:
-                    for key, held in level.tail.items():
-                        level.folding.setdefault(key, []).extend(held)
-                    level.tail, level.folding = level.folding, {}
-                    level.tail_n = sum(len(ps) for ps in level.tail.values())
+                    level.restore()
                 self._folding = False
             raise
         with self._lock:
             self._folding = False
             for level, (h, p) in zip(self._levels, merged, strict=True):
-                level.sorted_h, level.sorted_p, level.folding = h, p, {}
+                level.sorted_h, level.sorted_p, level.folding = h, p, _Tail()
             drop = cutoff - self._base
             if drop > 0:
                 self._buffer = self._buffer[drop:].copy()
                 self._base, self._size = cutoff, self._size - drop
+
+    def _fold_quietly(self) -> None:
+        try:
+            self.compact()
+        except Exception as exc:  # the tails were put back: the next add's fold tries again
+            log.warning("the recent tier could not fold its appended tokens: %s: %s", type(exc).__name__, exc)
 
     def draft(self, context_ids: Sequence[int] | np.ndarray, max_nodes: int) -> Draft | None:
         """Return the tree of what followed the deepest earlier matches of the context's suffix, or None."""
