@@ -212,6 +212,45 @@ def test_the_tails_hold_nothing_the_garbage_collector_tracks() -> None:
         assert not gc.is_tracked(level.tail.last)  # a dict of ints only
 
 
+def test_a_document_queued_with_add_soon_drafts_the_next_lookup() -> None:
+    """`add_soon` returns at once and the writer thread adds the document; a lookup that comes first adds what is
+    still queued, so every document drafts the very next lookup, whichever thread got there first."""
+    index = RecentIndex()
+    docs = [_doc(120) for _ in range(300)]
+    for i, doc in enumerate(docs):
+        index.add_soon(doc)
+        if i % 3 == 0:  # now and then give the writer the lock first
+            time.sleep(0)
+        assert index.draft(doc[:20], 8).tokens.tolist() == doc[20:28], i  # type: ignore[union-attr]
+    assert index.documents == len(docs)
+    index.close()
+
+
+def test_add_soon_adds_on_the_writer_thread_and_close_adds_what_is_left() -> None:
+    index = RecentIndex()
+    threads: list[threading.Thread] = []
+    add = index.add
+
+    def recording_add(tokens: list[int]) -> None:
+        threads.append(threading.current_thread())
+        add(tokens)
+
+    index.add = recording_add  # type: ignore[method-assign,assignment]
+    index.add_soon(_doc(64))
+    deadline = time.monotonic() + 30
+    while not threads and time.monotonic() < deadline:  # no lookup: only the writer adds it
+        time.sleep(0.01)  # polling a condition under a deadline
+    assert threads and threads[0] is not threading.current_thread()
+    queued = [_doc(64) for _ in range(50)]
+    for doc in queued:
+        index.add_soon(doc)
+    index.close()  # the writer stops; whatever it had not added yet is added here
+    assert index.documents == 51
+    late = _doc(64)
+    index.add_soon(late)  # closed: added at once, on the caller's thread
+    assert threads[-1] is threading.current_thread() and index.documents == 52
+
+
 def test_the_drafter_names_its_part() -> None:
     index = RecentIndex()
     doc = _doc(20)

@@ -9,9 +9,9 @@ first sight nodes predicted at 0.3 were accepted 13% of the time, and chains pre
 copy's) 62-80%.
 
 Sizing by the bands instead (each node valued at its band's acceptance, the curve pooled to never fall, its level
-set by the ratio) was tried and measured (docs/vllm.md, "Acceptance by band"): it verified 15-25% fewer tokens for
-1-5% fewer accepted, and 1-3% fewer tokens/s in `crest bench proposer`'s CPU-shaped first sight on chat, HumanEval
-and code edits; the one ratio stays.
+set by the ratio) was tried and measured (docs/vllm.md, "Acceptance by band"): on chat it verified 23% fewer tokens
+for 11% fewer accepted, and it made 1-3% fewer tokens/s in `crest bench proposer`'s CPU-shaped first sight on chat,
+HumanEval and code edits; the one ratio stays.
 """
 
 from __future__ import annotations

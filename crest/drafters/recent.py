@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -169,11 +170,24 @@ class RecentIndex:
         self._size = 0
         self._lock = threading.Lock()
         self._folding = False  # a thread is folding the tails (under the lock: at most one at a time)
-        self.documents = 0
+        self._documents = 0
+        self._queued: deque[np.ndarray] = deque()  # documents `add_soon` was given, not yet added
+        self._adding = threading.Lock()  # held while queued documents are added: by the writer, or a lookup
+        self._inflight = False  # a queued document was taken and is being added
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def documents(self) -> int:
+        """Return how many documents were added (those `add_soon` was given included)."""
+        self._settle()
+        return self._documents
 
     @property
     def n_tokens(self) -> int:
         """Return how many tokens (separators included) the index holds."""
+        self._settle()
         return self._size
 
     def add(self, tokens: Sequence[int] | np.ndarray) -> None:
@@ -192,10 +206,63 @@ class RecentIndex:
             for level in self._levels:
                 hashes = _hashes(doc, level.k)
                 level.append(hashes, start + level.k - 1 + np.arange(hashes.shape[0], dtype=np.int64))
-            self.documents += 1
+            self._documents += 1
             fold = any(len(level.tail) > max(65_536, level.sorted_h.shape[0] // 2) for level in self._levels)
         if fold:  # the sort takes tens of milliseconds at a million tokens: never on the caller's step
             threading.Thread(target=self._fold_quietly, name="crest-recent-fold", daemon=True).start()
+
+    def add_soon(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Queue one document for `add` on the index's writer thread and return at once.
+
+        The writer adds it while the engine runs its forward (a few hundred microseconds a request, off the step);
+        a lookup that comes first adds what is still queued before it searches, so a document is draftable from
+        the next lookup on, as after `add`.
+        """
+        doc = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if doc.shape[0] == 0:
+            return
+        self._queued.append(doc)
+        if self._closed:
+            self._add_queued()
+            return
+        if self._writer is None:
+            with self._adding:
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write, name="crest-recent-writer", daemon=True)
+                    self._writer.start()
+        self._wake.set()
+
+    def close(self) -> None:
+        """Add what is still queued and stop the writer thread (later `add_soon` calls add at once)."""
+        self._closed = True
+        self._wake.set()
+        if self._writer is not None:
+            self._writer.join(timeout=10)
+        self._add_queued()
+
+    def _write(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self._add_queued()
+            except Exception as exc:  # a document that cannot be added costs its drafts only
+                log.warning("the recent tier could not add a document: %s: %s", type(exc).__name__, exc)
+
+    def _add_queued(self) -> None:
+        """Add the queued documents, in order (one thread at a time: a lookup waits for the writer's)."""
+        with self._adding:
+            while self._queued:
+                self._inflight = True  # before the pop: a lookup that finds the queue empty then sees this
+                try:
+                    self.add(self._queued.popleft())
+                finally:
+                    self._inflight = False
+
+    def _settle(self) -> None:
+        """Add what `add_soon` still holds before a lookup (nothing to do, the usual case, costs two reads)."""
+        if self._queued or self._inflight:
+            self._add_queued()
 
     def compact(self) -> None:
         """Fold the appended tails into the sorted blocks and evict what lies beyond the capacity."""
@@ -246,6 +313,7 @@ class RecentIndex:
         if max_nodes <= 0 or len(context_ids) < opts.keys[0]:
             return None, -1
         tail = np.asarray(context_ids[-opts.max_depth :], dtype=np.int64).reshape(-1)
+        self._settle()
         with self._lock:
             if not self._size:
                 return None, -1
@@ -264,6 +332,7 @@ class RecentIndex:
 
     def tokens_from(self, position: int, length: int) -> list[int]:
         """Return up to `length` tokens held from absolute `position` on, within their document (none once evicted)."""
+        self._settle()
         with self._lock:
             at = position - self._base
             if at < 0 or at >= self._size or length <= 0:

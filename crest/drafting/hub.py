@@ -154,7 +154,10 @@ class DraftHub:
         with self._lock:
             stores = [*self._stores.values(), *self._dense.values(), *self._parts.values()]
             learners = list(self._learners.values())
+            recents = list(self._recent.values())
             self._stores, self._dense, self._learners, self._recent, self._parts = {}, {}, {}, {}, {}
+        for recent in recents:
+            recent.close()
         end = time.monotonic() + CLOSE_TIMEOUT  # one deadline for all: a database that is down costs it once
         for learner in learners:
             learner.close(timeout=max(0.0, end - time.monotonic()))
@@ -306,7 +309,7 @@ class DraftHub:
             learner.learn(ids, prompt_tokens=tail, stats=dict(stats or {}), dense=dense)
         recent = self.recent(name)
         if recent is not None:  # the prompt's tail too: a repeat is found deep at its answer's first step
-            recent.add(np.asarray(ids, dtype=np.int64))
+            recent.add_soon(np.asarray(ids, dtype=np.int64))  # added off the step, before the next lookup
 
     def _dense_missing(self, store: str) -> bool:
         """Return whether store `store` has no dense part this process can use (said once, at its first try)."""
