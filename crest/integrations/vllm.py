@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 import numpy as np
-from crest_client.draft import empty_draft
+from crest_client.draft import Draft, empty_draft
 
 from crest.config import VllmSettings, vllm_settings
 from crest.decoding.acceptance import chain_hits
@@ -181,7 +181,7 @@ class CrestProposer:
         rows = len(sampled)
         keys = batch.ids if batch is not None else [f"row{i}" for i in range(rows)]
         accepted = predicted = 0.0
-        checked: list[tuple[Any, int]] = []  # (chain, its tokens accepted) of each row whose chain this step verified
+        checked: list[tuple[Draft, int]] = []  # (chain, its tokens accepted) of each row whose chain this step verified
         live: list[tuple[int, ProposerRow, int]] = []  # (row, state, room) of the rows to draft for
         for i in range(rows):
             n = int(lengths[i])
