@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from crest_client.draft import Draft, path_probabilities
+from crest_client.draft import Draft
 
-from crest.decoding.acceptance import BAND_DECAY, Acceptance, chain_hits, slot_hits, tree_hits
+from crest.decoding.acceptance import BAND_DECAY, Acceptance, chain_hits
 
 
 def _chain(probabilities: list[float]) -> Draft:
@@ -45,16 +45,3 @@ def test_chain_hits_mark_the_accepted_prefix(accepted: int) -> None:
     assert probabilities == pytest.approx([0.9, 0.6, 0.3, 0.5])
     assert hits.tolist() == [i < accepted for i in range(3)] + [True]
     assert chain_hits([], [])[0].shape == (0,)
-
-
-def test_tree_and_slot_hits_mark_the_accepted_path() -> None:
-    # root -> a (0) -> c (2); root -> b (1); a -> d (3)
-    tree = Draft(np.array([10, 11, 12, 13]), np.array([-1, -1, 0, 0], dtype=np.int32), np.array([6, 4, 3, 3]), 2)
-    probabilities, hits = tree_hits(tree, [0, 3])
-    assert probabilities == pytest.approx(path_probabilities(tree))
-    assert hits.tolist() == [True, False, False, True]
-    # the verifier's slots count the root as slot 0: slots 1 and 4 are nodes 0 and 3; an empty draft adds nothing
-    probabilities, hits = slot_hits([tree, Draft(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64)),
-                                     tree], [[1, 4], [], []])  # fmt: skip
-    assert hits.tolist() == [True, False, False, True] + [False] * 4
-    assert len(probabilities) == 8

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from crest_client.draft import Draft, empty_draft
 
-from crest.decoding.acceptance import tree_hits
 from crest.decoding.drafter import Drafter
 from crest.decoding.hidden import feed_hidden, final_hidden, wants_hidden
 from crest.decoding.policy import DraftPolicy, room_left
@@ -82,11 +81,9 @@ def replay(
             tree = empty_draft() if policy.skip(1) else policy.draft(drafter, context, room=room)
             latencies.append(time.perf_counter() - t0)
             (tree,), predicted = policy.size([tree])
-            path = match_path(tree, out[done:]) if len(tree) else []
-            accepted = len(path)
+            accepted = matched_depth(tree, out[done:]) if len(tree) else 0
             if len(tree):
-                probabilities, hits = tree_hits(tree, path)
-                policy.observe(accepted=accepted, predicted=predicted, probabilities=probabilities, hits=hits)
+                policy.observe(accepted=accepted, predicted=predicted)
         else:
             found = drafter.draft(context, max_nodes) if room > 0 else None
             latencies.append(time.perf_counter() - t0)

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from crest_client.draft import Draft, empty_draft
 
-from crest.decoding.acceptance import slot_hits
 from crest.decoding.cache import compact_cache
 from crest.decoding.drafter import Drafter, NoneDrafter
 from crest.decoding.hidden import feed_hidden, hidden_tap
@@ -249,8 +248,7 @@ class SpeculativeGenerator:
         state.verify_seconds += time.perf_counter() - t1
         state.draft_tokens += len(draft)
         if len(draft):
-            probabilities, hits = slot_hits([draft], [slots])
-            self.policy.observe(accepted=len(slots), predicted=predicted, probabilities=probabilities, hits=hits)
+            self.policy.observe(accepted=len(slots), predicted=predicted)
         self.commit(state, new, slots)
 
     def draft(self, state: DecodeState, drafter: Drafter | None) -> tuple[Draft, float]:

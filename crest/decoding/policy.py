@@ -214,7 +214,7 @@ class DraftPolicy:
         hits: np.ndarray | None = None,
     ) -> None:  # fmt: skip
         """Fold one verified step into the acceptance scale: its accepted and weight-predicted draft nodes, and each
-        verified node's path probability and whether it was accepted, when known (`chain_hits`, `slot_hits`)."""
+        verified node's path probability and whether it was accepted, when known (`chain_hits`)."""
         self.acceptance.observe(accepted=accepted, predicted=predicted, probabilities=probabilities, hits=hits)
 
     def observe_cost(self, tokens: int, seconds: float) -> None:

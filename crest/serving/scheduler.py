@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from crest_client.draft import Draft, empty_draft
 
-from crest.decoding.acceptance import slot_hits
 from crest.decoding.generator import DecodeState, SpeculativeGenerator
 from crest.decoding.hidden import bind_drafter, model_tap, wants_hidden
 from crest.decoding.sampling import accept_greedy, children_of
@@ -224,9 +223,7 @@ class Scheduler:
         if self._observe_costs:
             self.policy.observe_cost(logits.shape[0] * logits.shape[1], time.perf_counter() - t1)
         if any(len(d) for d in drafts):
-            probabilities, hits = slot_hits(drafts, accepted)
-            self.policy.observe(accepted=sum(len(a) for a in accepted), predicted=predicted,
-                                probabilities=probabilities, hits=hits)  # fmt: skip
+            self.policy.observe(accepted=sum(len(a) for a in accepted), predicted=predicted)
         seconds = time.perf_counter() - t1
         done: list[int] = []
         for r, row in enumerate(self._rows):
